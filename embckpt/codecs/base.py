@@ -1,0 +1,137 @@
+"""The row-codec contract and its registry.
+
+A codec turns a batch of embedding rows (a 2-D torch tensor, any device) into the per-row
+Parquet columns the storage layer writes, plus JSON-able metadata kept in the file's key-value
+metadata; ``decode`` inverts it. Codecs are pure: no state survives between calls except what
+``get_config`` returns, so a reader rebuilds the exact codec from a file's metadata alone.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from embckpt.errors import UnknownCodecError
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stable name a manifest uses for ``dtype``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name` for the dtypes embedding tables use."""
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise UnknownCodecError(f"unsupported row dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """One batch of encoded rows: equal-length Parquet columns and the codec's file metadata."""
+
+    columns: Mapping[str, pa.Array]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Codec(abc.ABC):
+    """Encodes rows of one table shard. Subclasses set ``codec_id`` and ``format_version``."""
+
+    codec_id: ClassVar[str]
+    format_version: ClassVar[int] = 1
+    lossless: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def encode(self, rows: torch.Tensor) -> EncodedRows:
+        """Encodes ``rows`` [n, cols]."""
+
+    @abc.abstractmethod
+    def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
+        """Decodes to a CPU tensor [n, num_cols] of the dtype that was encoded."""
+
+    def get_config(self) -> dict[str, Any]:
+        """Everything needed to rebuild this codec: its id, format version and options."""
+        return {"id": self.codec_id, "version": self.format_version, **self._options()}
+
+    def _options(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Codec:
+        options = {k: v for k, v in config.items() if k not in ("id", "version")}
+        return cls(**options)
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator adding a codec to the registry under its ``codec_id``."""
+    _REGISTRY[cls.codec_id] = cls
+    return cls
+
+
+def make_codec(codec_id: str, options: Mapping[str, Any] | None = None) -> Codec:
+    """Builds a registered codec from its id and options (as in ``CheckpointConfig``).
+
+    Raises:
+        UnknownCodecError: no codec is registered under ``codec_id``.
+    """
+    return codec_from_config({"id": codec_id, **(options or {})})
+
+
+def codec_from_config(config: Mapping[str, Any]) -> Codec:
+    """Rebuilds the codec a file was written with.
+
+    Raises:
+        UnknownCodecError: the id is not registered, or the format version is newer than ours.
+    """
+    codec_id = config.get("id")
+    cls = _REGISTRY.get(str(codec_id))
+    if cls is None:
+        raise UnknownCodecError(f"unknown codec {codec_id!r}; known: {sorted(_REGISTRY)}")
+    version = int(config.get("version", cls.format_version))
+    if version > cls.format_version:
+        raise UnknownCodecError(
+            f"codec {codec_id!r} format version {version} is newer than this reader's "
+            f"{cls.format_version}; upgrade embckpt"
+        )
+    return cls.from_config(config)
+
+
+def fixed_binary_column(data: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """Wraps a C-contiguous uint8 array [n, width] as a Parquet fixed-size binary column.
+
+    Zero-copy: Arrow takes the numpy buffer as it is.
+    """
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    n, width = data.shape
+    return pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width), n, [None, pa.py_buffer(data.reshape(-1))]
+    )
+
+
+def fixed_binary_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The bytes of a fixed-size binary column as a uint8 array [n, width] (one copy at most)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    width = column.type.byte_width
+    if column.null_count:
+        raise ValueError("fixed-size binary column has nulls")
+    buf = np.frombuffer(column.buffers()[1], dtype=np.uint8)
+    start = column.offset * width
+    return buf[start : start + len(column) * width].reshape(len(column), width)

@@ -1,0 +1,40 @@
+"""The error tree of embckpt. Every message names the file, table, shard, rank or step at fault."""
+
+from __future__ import annotations
+
+
+class EmbckptError(Exception):
+    """Base of every error embckpt raises on purpose."""
+
+
+class ConfigError(EmbckptError, ValueError):
+    """A setting is unknown or out of range."""
+
+
+class CheckpointCorruptError(EmbckptError, RuntimeError):
+    """A checkpoint file is missing, truncated, altered or unreadable."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class ChainIncompleteError(CheckpointCorruptError):
+    """A differential checkpoint depends on a checkpoint that is not (or no longer) committed."""
+
+
+class ModelMismatchError(EmbckptError, ValueError):
+    """The model being restored does not match the checkpoint (tables, rows, dims, dtypes)."""
+
+
+class UnknownCodecError(EmbckptError, ValueError):
+    """A codec id or codec format version that this version of embckpt cannot read."""
+
+
+class SaveError(EmbckptError, RuntimeError):
+    """A save failed; the previous committed checkpoint is untouched."""
+
+
+class RankError(EmbckptError, RuntimeError):
+    """One or more ranks failed a collective checkpoint operation; the message says which and why."""

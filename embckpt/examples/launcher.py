@@ -1,0 +1,107 @@
+"""Runs a function on N ranks: one process each, gloo on CPU, NCCL on CUDA, on loopback.
+
+Used by the demo, the benchmarks and the multi-rank tests, so all three start ranks the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device a rank trains on: its own GPU where there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message holds its traceback or exit code."""
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    ``fn`` must be importable (a module-level function) and return something picklable.
+
+    Returns:
+        Each rank's return value, by rank.
+
+    Raises:
+        RankFailed: a rank raised (its traceback is in the message), died, or timed out.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except Exception:
+                dead = [p.exitcode for p in procs]
+                failures.append(f"no result within {timeout_s}s (exit codes {dead})")
+                break
+            if ok:
+                outputs[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if failures else 60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [outputs[rank] for rank in range(world_size)]

@@ -1,0 +1,235 @@
+"""Reads a ``DistributedModelParallel`` model's embedding tables as this rank sees them.
+
+For every table, each rank gets the blocks it holds (its *local shards*): global row and column
+offsets, a live view of the weights, and live views of the fused optimizer's state split into
+row-wise states (one value per row, e.g. row-wise Adagrad's momentum) and element-wise states
+(shaped like the weights, e.g. Adagrad or Adam moments). Writing into these views writes into
+the model: that is how a restore loads rows without rebuilding any module.
+
+Works for table-, row-, column-, table-row-wise and data-parallel tables. Data-parallel tables are
+replicated: every rank holds the whole table, only rank 0 writes it, and its optimizer state
+belongs to the dense optimizer, not to the fused one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from embckpt.errors import ModelMismatchError
+
+_TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+
+
+@dataclass
+class TableShard:
+    """One block of one table held by this rank.
+
+    Attributes:
+        table: the table's name.
+        fqn: the weight's key in ``model.state_dict()``.
+        row_offset, col_offset: where the block starts in the global table.
+        table_rows, table_cols: the global table's shape.
+        weight: live view [rows, cols] of the block's weights.
+        row_states: live views [rows] of row-wise optimizer states, by state name.
+        elem_states: live views [rows, cols] of element-wise optimizer states.
+        writer: whether this rank writes the block (False for non-zero replicas).
+    """
+
+    table: str
+    fqn: str
+    sharding_type: str
+    row_offset: int
+    col_offset: int
+    table_rows: int
+    table_cols: int
+    weight: torch.Tensor
+    row_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    writer: bool = True
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def num_cols(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def key(self) -> str:
+        """Unique name of the block: table, row and column offsets."""
+        return f"{self.table}/r{self.row_offset}_c{self.col_offset}"
+
+    @torch.no_grad()
+    def write_rows(
+        self,
+        local_rows: torch.Tensor,
+        values: torch.Tensor,
+        col_lo: int,
+        col_hi: int,
+        target: torch.Tensor | None = None,
+    ) -> None:
+        """Writes ``values`` [n, col_hi-col_lo] into rows ``local_rows``, global columns
+        [col_lo, col_hi), of the weights (or of ``target``, an element-wise state)."""
+        dest = self.weight if target is None else target
+        lo, hi = col_lo - self.col_offset, col_hi - self.col_offset
+        dest[:, lo:hi].index_copy_(0, local_rows.to(dest.device), values.to(dest))
+
+
+@dataclass
+class ShardedModel:
+    """All of this rank's table blocks, plus what the dense side of a checkpoint must skip."""
+
+    shards: list[TableShard]
+    table_shapes: dict[str, tuple[int, int]]
+    table_dtypes: dict[str, torch.dtype]
+    sharding_types: dict[str, str]
+    placements: dict[str, list[tuple[int, int, int, int, int]]]
+    table_keys: set[str]
+    scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def writer_shards(self) -> Iterator[TableShard]:
+        return (s for s in self.shards if s.writer)
+
+
+def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
+    """Finds every embedding table of ``model`` and this rank's blocks of it.
+
+    Args:
+        model: a ``DistributedModelParallel`` (or any module whose state dict holds
+            ShardedTensors for embedding tables).
+        rank: this process's rank.
+
+    Raises:
+        ModelMismatchError: an optimizer state has a shape that is neither row-wise nor
+            element-wise.
+    """
+    state = model.state_dict()
+    fused_state = _fused_optimizer_state(model)
+    shards: list[TableShard] = []
+    shapes: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    types: dict[str, str] = {}
+    placements: dict[str, list[tuple[int, int, int, int, int]]] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    sharding_types = _sharding_types(model)
+    for fqn, value in state.items():
+        match = _TABLE_KEY.search(fqn)
+        if match is None:
+            continue
+        table = match.group(1)
+        if hasattr(value, "local_shards"):
+            meta = value.metadata()
+            shapes[table] = (int(meta.size[0]), int(meta.size[1]))
+            dtypes[table] = meta.tensor_properties.dtype
+            types[table] = sharding_types.get(table, "sharded")
+            placements[table] = [
+                (
+                    int(sm.placement.rank()) if sm.placement is not None else -1,
+                    int(sm.shard_offsets[0]),
+                    int(sm.shard_offsets[1]),
+                    int(sm.shard_sizes[0]),
+                    int(sm.shard_sizes[1]),
+                )
+                for sm in meta.shards_metadata
+            ]
+            opt = fused_state.get(fqn, {})
+            for index, local in enumerate(value.local_shards()):
+                shard = TableShard(
+                    table=table,
+                    fqn=fqn,
+                    sharding_type=types[table],
+                    row_offset=int(local.metadata.shard_offsets[0]),
+                    col_offset=int(local.metadata.shard_offsets[1]),
+                    table_rows=shapes[table][0],
+                    table_cols=shapes[table][1],
+                    weight=local.tensor,
+                )
+                _attach_optimizer_state(shard, opt, index, scalars)
+                shards.append(shard)
+        else:
+            rows, cols = value.shape
+            shapes[table] = (int(rows), int(cols))
+            dtypes[table] = value.dtype
+            types[table] = "data_parallel"
+            placements[table] = [(0, 0, 0, int(rows), int(cols))]
+            shards.append(
+                TableShard(
+                    table=table,
+                    fqn=fqn,
+                    sharding_type="data_parallel",
+                    row_offset=0,
+                    col_offset=0,
+                    table_rows=int(rows),
+                    table_cols=int(cols),
+                    weight=value,
+                    writer=rank == 0,
+                )
+            )
+    return ShardedModel(
+        shards=shards,
+        table_shapes=shapes,
+        table_dtypes=dtypes,
+        sharding_types=types,
+        placements=placements,
+        table_keys={fqn for fqn in state if _TABLE_KEY.search(fqn)},
+        scalar_states=scalars,
+    )
+
+
+def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
+    fused = getattr(model, "fused_optimizer", None)
+    if fused is None:
+        return {}
+    return dict(fused.state_dict().get("state", {}))
+
+
+def _sharding_types(model: nn.Module) -> dict[str, str]:
+    """Table name -> sharding type, from the plan DMP applied."""
+    plan = getattr(model, "plan", None)
+    found: dict[str, str] = {}
+    if plan is None:
+        return found
+    for module_plan in plan.plan.values():
+        for table, sharding in getattr(module_plan, "items", lambda: [])():
+            found[table] = sharding.sharding_type
+    return found
+
+
+def _attach_optimizer_state(
+    shard: TableShard,
+    opt: dict[str, object],
+    index: int,
+    scalars: dict[str, torch.Tensor],
+) -> None:
+    """Splits a table's fused optimizer state into row-wise, element-wise and scalar parts."""
+    prefix = f"{shard.table}."
+    for key, value in opt.items():
+        name = key[len(prefix) :] if key.startswith(prefix) else key
+        if hasattr(value, "local_shards"):
+            local = value.local_shards()
+            if index >= len(local):
+                continue
+            tensor = local[index].tensor
+        elif isinstance(value, torch.Tensor):
+            tensor = value
+        else:
+            continue
+        if tensor.dim() == 2 and tuple(tensor.shape) == tuple(shard.weight.shape):
+            shard.elem_states[name] = tensor
+        elif tensor.dim() == 1 and tensor.numel() == shard.num_rows:
+            shard.row_states[name] = tensor
+        elif tensor.numel() <= 1:
+            # e.g. Adam's step counter: one value per table, saved with the dense state.
+            scalars[f"{shard.fqn}/{name}"] = tensor
+        else:
+            raise ModelMismatchError(
+                f"table {shard.table}: optimizer state {name!r} of shape {tuple(tensor.shape)} "
+                f"is neither row-wise ({shard.num_rows}) nor element-wise "
+                f"{tuple(shard.weight.shape)}"
+            )

@@ -1,0 +1,158 @@
+"""A checkpoint directory on any ``pyarrow.fs`` filesystem: listing, atomic writes, checked reads.
+
+Layout: ``<root>/step_<step:012d>/`` holds one checkpoint; it is committed if and only if its
+``MANIFEST.json`` exists. Files are written whole (temporary name, fsync, rename on local disks;
+a single PUT on object stores, where an object appears atomically), so a reader never sees half
+of a file under its final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from embckpt.errors import CheckpointCorruptError
+
+MANIFEST_NAME = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step_(\d{12})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the writer of a file knows about it: the manifest's record of it."""
+
+    path: str  # relative to the step folder
+    bytes: int
+    sha256: str
+
+
+class CheckpointStore:
+    """The root folder of a job's checkpoints.
+
+    Args:
+        uri: a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``).
+        fsync: fsync local files and their folder before a write returns.
+    """
+
+    def __init__(self, uri: str | Path, *, fsync: bool = True) -> None:
+        uri = str(uri)
+        if "://" in uri:
+            self.fs, self.root = pafs.FileSystem.from_uri(uri)
+        else:
+            self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).absolute())
+        self.uri = uri
+        self.fsync = fsync
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def step_path(self, step: int, relative: str = "") -> str:
+        base = f"{self.root}/{step_dir_name(step)}"
+        return f"{base}/{relative}" if relative else base
+
+    def create_root(self) -> None:
+        self.fs.create_dir(self.root, recursive=True)
+
+    def _step_folders(self) -> dict[int, str]:
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for info in infos:
+            match = _STEP_DIR.match(info.base_name)
+            if match and info.type == pafs.FileType.Directory:
+                found[int(match.group(1))] = info.path
+        return found
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest exists, ascending."""
+        return sorted(step for step in self._step_folders() if self.is_committed(step))
+
+    def leftover_steps(self) -> list[int]:
+        """Step folders without a manifest: debris of interrupted saves, never checkpoints."""
+        return sorted(step for step in self._step_folders() if not self.is_committed(step))
+
+    def is_committed(self, step: int) -> bool:
+        info = self.fs.get_file_info(self.step_path(step, MANIFEST_NAME))
+        return info.type == pafs.FileType.File
+
+    def remove_step(self, step: int) -> None:
+        """Deletes a step folder; the manifest goes first so the folder stops being a checkpoint."""
+        manifest = self.step_path(step, MANIFEST_NAME)
+        if self.fs.get_file_info(manifest).type == pafs.FileType.File:
+            self.fs.delete_file(manifest)
+        if self.fs.get_file_info(self.step_path(step)).type == pafs.FileType.Directory:
+            self.fs.delete_dir(self.step_path(step))
+
+    # -- writes ---------------------------------------------------------------------------------
+    def write_file(self, step: int, relative: str, data: pa.Buffer | bytes) -> WrittenFile:
+        """Writes one whole file of a step folder and returns its size and checksum."""
+        digest = hashlib.sha256(memoryview(data)).hexdigest()
+        self.write_atomic(self.step_path(step, relative), data)
+        return WrittenFile(path=relative, bytes=len(memoryview(data)), sha256=digest)
+
+    def write_atomic(self, path: str, data: pa.Buffer | bytes) -> None:
+        """Writes ``path`` so that it appears whole or not at all."""
+        parent = path.rsplit("/", 1)[0]
+        if not self.is_local:
+            # Object stores publish an object only when its upload completes: no rename needed.
+            self.fs.create_dir(parent, recursive=True)
+            with self.fs.open_output_stream(path) as out:
+                out.write(data)
+            return
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as out:
+            out.write(memoryview(data))
+            if self.fsync:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            dir_fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_file(self, step: int, relative: str) -> pa.Buffer:
+        """Reads a whole file of a step folder.
+
+        Raises:
+            CheckpointCorruptError: the file is missing or unreadable.
+        """
+        path = self.step_path(step, relative)
+        try:
+            with self.fs.open_input_file(path) as src:
+                return src.read_buffer()
+        except (FileNotFoundError, OSError) as exc:
+            raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
+
+    def read_checked(self, step: int, expected: WrittenFile) -> pa.Buffer:
+        """Reads a file and checks its size and SHA-256 against the manifest's record.
+
+        Raises:
+            CheckpointCorruptError: missing, truncated, extended or altered; names the file.
+        """
+        data = self.read_file(step, expected.path)
+        path = self.step_path(step, expected.path)
+        if data.size != expected.bytes:
+            raise CheckpointCorruptError(
+                path, f"size is {data.size} bytes, the manifest says {expected.bytes}"
+            )
+        digest = hashlib.sha256(memoryview(data)).hexdigest()
+        if digest != expected.sha256:
+            raise CheckpointCorruptError(path, "SHA-256 does not match the manifest")
+        return data

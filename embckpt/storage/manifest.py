@@ -1,0 +1,163 @@
+"""The manifest: the one file that makes a checkpoint exist, and describes all of it.
+
+Rank 0 writes it last, after every rank reported its files. It is versioned JSON that carries its
+own SHA-256 (over the canonical JSON of everything else), so an edited or truncated manifest is
+caught before anything it lists is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.fs import WrittenFile
+
+FORMAT_VERSION = 1
+KINDS = ("full", "diff")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint.
+
+    ``role`` is ``rows`` (a table shard's rows), ``dense`` (dense modules and optimizer, rank 0)
+    or ``rank`` (one rank's RNG and data position). For ``rows`` files the shard fields say
+    which block of the table the file's rows belong to: global rows
+    [row_offset, row_offset + shard_rows) and columns [col_offset, col_offset + shard_cols).
+    """
+
+    path: str
+    bytes: int
+    sha256: str
+    role: str
+    rank: int
+    table: str = ""
+    row_offset: int = 0
+    col_offset: int = 0
+    shard_rows: int = 0
+    shard_cols: int = 0
+    rows: int = 0  # rows stored in this file
+
+    @property
+    def written(self) -> WrittenFile:
+        return WrittenFile(self.path, self.bytes, self.sha256)
+
+    def overlaps(self, row_lo: int, row_hi: int, col_lo: int, col_hi: int) -> bool:
+        """True if this rows file can hold rows in [row_lo, row_hi) x [col_lo, col_hi)."""
+        return (
+            self.row_offset < row_hi
+            and row_lo < self.row_offset + self.shard_rows
+            and self.col_offset < col_hi
+            and col_lo < self.col_offset + self.shard_cols
+        )
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """A table as the writing job sharded it."""
+
+    name: str
+    rows: int
+    cols: int
+    dtype: str
+    sharding_type: str
+    row_states: tuple[str, ...] = ()
+    elem_states: tuple[str, ...] = ()
+    shards: tuple[tuple[int, int, int, int, int], ...] = ()  # (rank, row_off, col_off, rows, cols)
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """A past checkpoint of the same chain, for policies that learn from history."""
+
+    step: int
+    kind: str
+    bytes: int
+    dirty_fraction: float
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about one committed checkpoint.
+
+    ``parent_step`` is the checkpoint whose state a diff applies on top of (None for a full);
+    following parents always ends at ``base_step``, the full checkpoint at the chain's root.
+    ``history`` lists the checkpoints since that full one, this one included.
+    """
+
+    step: int
+    kind: str
+    policy: str
+    base_step: int
+    parent_step: int | None
+    world_size: int
+    codec: Mapping[str, Any]
+    tables: tuple[TableEntry, ...]
+    files: tuple[FileEntry, ...]
+    history: tuple[HistoryEntry, ...] = ()
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def rows_written(self) -> int:
+        return sum(f.rows for f in self.files if f.role == "rows")
+
+    def table(self, name: str) -> TableEntry | None:
+        return next((t for t in self.tables if t.name == name), None)
+
+    def with_stats(self, **stats: Any) -> Manifest:
+        return replace(self, stats={**self.stats, **stats})
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["checksum"] = _checksum(body)
+        return json.dumps(body, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> Manifest:
+        """Parses and checks a manifest.
+
+        Raises:
+            CheckpointCorruptError: not JSON, checksum mismatch, or an unknown format version.
+        """
+        try:
+            body = json.loads(text)
+            checksum = body.pop("checksum")
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise CheckpointCorruptError(path, f"manifest is not valid: {exc}") from exc
+        if checksum != _checksum(body):
+            raise CheckpointCorruptError(path, "manifest checksum does not match its contents")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                path, f"manifest format version {version} is not supported (this reader: 1)"
+            )
+        try:
+            return cls(
+                **{
+                    **body,
+                    "tables": tuple(
+                        TableEntry(**{**t, "row_states": tuple(t["row_states"]),
+                                      "elem_states": tuple(t["elem_states"]),
+                                      "shards": tuple(tuple(s) for s in t["shards"])})
+                        for t in body["tables"]
+                    ),
+                    "files": tuple(FileEntry(**f) for f in body["files"]),
+                    "history": tuple(HistoryEntry(**h) for h in body["history"]),
+                }
+            )
+        except (TypeError, KeyError) as exc:
+            raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
+
+
+def _checksum(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,213 @@
+"""Touched-row tracking: one bitmap per local table block, set from the ids each block looks up.
+
+A forward pre-hook on every FBGEMM table-batched embedding module sees the ids after TorchRec's
+input distribution, already local to the block (row-wise shards receive shard-local ids), so one
+vectorised scatter per module per step marks the rows it reads. A row that is looked up is the
+only kind of row whose weights and optimizer state the fused backward can change.
+
+Views: the hook writes one *pending* bitmap per module. Each named view (``since_last``: since
+the previous checkpoint; ``since_full``: since the last full one) is an accumulator that pending
+bits are folded into when a checkpoint reads it, so the step cost does not grow with the number
+of views. Replicated (data-parallel) tables change on every rank when any rank looks a row up, so
+their bits are OR-ed across ranks when folded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from embckpt.sharding import TableShard
+
+VIEWS = ("since_last", "since_full")
+
+
+@dataclass
+class _TrackedModule:
+    """One table-batched module: its pending bitmap and where each block lives in it."""
+
+    pending: torch.Tensor  # bool [sum of block rows]
+    table_of_feature: torch.Tensor  # int64 [features]
+    table_base: torch.Tensor  # int64 [tables]: first bit of each block
+    replicated: bool
+
+
+class RowTracker:
+    """Per-block touched-row bitmaps with independent views.
+
+    Call order: construct (installs hooks) -> training steps (hooks record) -> ``dirty`` /
+    ``take`` at a checkpoint -> ``give_back`` if that checkpoint failed -> ``close``.
+
+    Args:
+        model: the ``DistributedModelParallel`` model whose lookups are hooked.
+        shards: this rank's blocks, from :func:`embckpt.sharding.discover`.
+        group: process group for OR-ing replicated tables' bits (None: single process).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        shards: Iterable[TableShard],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._group = group
+        by_block = {(s.table, s.row_offset, s.col_offset): s for s in shards}
+        self._modules: list[_TrackedModule] = []
+        # block key -> (module index, first bit, rows)
+        self._slices: dict[str, tuple[int, int, int]] = {}
+        self._hooks = []
+        for batched in _batched_embedding_modules(model):
+            self._install(batched, by_block)
+        missing = {s.key for s in by_block.values()} - set(self._slices)
+        if missing:
+            raise RuntimeError(f"no embedding lookup found for blocks {sorted(missing)}")
+        self._views = {
+            view: [torch.zeros_like(m.pending) for m in self._modules] for view in VIEWS
+        }
+
+    def _install(self, batched: nn.Module, by_block: dict[tuple[str, int, int], TableShard]) -> None:
+        tables = batched._config.embedding_tables
+        bases, first = [], 0
+        replicated = False
+        for table in tables:
+            meta = table.local_metadata
+            offsets = (0, 0) if meta is None else (meta.shard_offsets[0], meta.shard_offsets[1])
+            replicated |= meta is None
+            shard = by_block[(table.name, int(offsets[0]), int(offsets[1]))]
+            self._slices[shard.key] = (len(self._modules), first, shard.num_rows)
+            bases.append(first)
+            first += shard.num_rows
+        device = next(iter(by_block.values())).weight.device if by_block else None
+        tracked = _TrackedModule(
+            pending=torch.zeros(first, dtype=torch.bool, device=device),
+            table_of_feature=torch.tensor(batched._feature_table_map, dtype=torch.long, device=device),
+            table_base=torch.tensor(bases, dtype=torch.long, device=device),
+            replicated=replicated,
+        )
+        self._modules.append(tracked)
+        self._hooks.append(
+            batched.emb_module.register_forward_pre_hook(
+                lambda _m, args, kwargs, t=tracked: self._on_lookup(t, args, kwargs),
+                with_kwargs=True,
+            )
+        )
+
+    @staticmethod
+    def _on_lookup(tracked: _TrackedModule, args: tuple, kwargs: dict) -> None:
+        indices = kwargs["indices"] if "indices" in kwargs else args[0]
+        offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
+        if indices.numel() == 0:
+            return
+        indices = indices.to(torch.long)
+        num_tables = tracked.table_base.numel()
+        if num_tables == 1:
+            tracked.pending[indices] = True
+            return
+        num_features = tracked.table_of_feature.numel()
+        num_bags = offsets.numel() - 1
+        per_feature = kwargs.get("batch_size_per_feature_per_rank")
+        if per_feature is not None:
+            # Variable batch sizes: feature f owns sum(per_feature[f]) consecutive bags.
+            counts = torch.tensor([sum(b) for b in per_feature], device=indices.device)
+            feature_of_bag = torch.repeat_interleave(
+                torch.arange(num_features, device=indices.device), counts
+            )
+        else:
+            feature_of_bag = torch.arange(num_bags, device=indices.device) // (num_bags // num_features)
+        base_of_bag = tracked.table_base[tracked.table_of_feature[feature_of_bag]]
+        lengths = offsets[1:] - offsets[:-1]
+        tracked.pending[torch.repeat_interleave(base_of_bag, lengths.to(torch.long)) + indices] = True
+
+    # -- reading and consuming views ---------------------------------------------------------
+    def _fold(self) -> None:
+        for index, tracked in enumerate(self._modules):
+            if tracked.replicated and self._group is not None:
+                # The checkpoint group is gloo: reduce a host copy whatever the model's device.
+                as_int = tracked.pending.to("cpu", torch.uint8)
+                dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=self._group)
+                tracked.pending.copy_(as_int.bool())
+            for view in VIEWS:
+                self._views[view][index] |= tracked.pending
+            tracked.pending.zero_()
+
+    def _bits(self, view: str, key: str) -> torch.Tensor:
+        module, first, rows = self._slices[key]
+        return self._views[view][module][first : first + rows]
+
+    def dirty(self, key: str, view: str) -> torch.Tensor:
+        """Local row indices (ascending, int64) of block ``key`` touched in ``view`` as of the
+        last :meth:`fold`."""
+        return torch.nonzero(self._bits(view, key)).flatten()
+
+    def fold(self) -> None:
+        """Moves the bits recorded since the last call into every view.
+
+        Collective when the model has replicated tables: every rank calls it together."""
+        self._fold()
+
+    def count(self, key: str, view: str) -> int:
+        """Number of touched rows of block ``key`` in ``view``, as of the last fold."""
+        return int(self._bits(view, key).sum())
+
+    def record(self, key: str, local_rows: torch.Tensor) -> None:
+        """Marks rows of block ``key`` as touched, as a lookup would."""
+        module, first, _ = self._slices[key]
+        self._modules[module].pending[first + local_rows.to(torch.long)] = True
+
+    def mark(self, key: str, local_rows: torch.Tensor, view: str) -> None:
+        """Sets bits in one view only (a restore rebuilding what its chain changed)."""
+        self._bits(view, key)[local_rows.to(torch.long)] = True
+
+    def take(self, view: str) -> list[torch.Tensor]:
+        """Clears ``view`` and returns its bits as of the last fold, for :meth:`give_back`."""
+        taken = [bits.clone() for bits in self._views[view]]
+        for bits in self._views[view]:
+            bits.zero_()
+        return taken
+
+    def give_back(self, view: str, taken: list[torch.Tensor]) -> None:
+        """Re-marks bits taken by a checkpoint that did not commit."""
+        for bits, old in zip(self._views[view], taken, strict=True):
+            bits |= old
+
+    def reset(self) -> None:
+        """Clears pending bits and every view (after a restore)."""
+        for tracked in self._modules:
+            tracked.pending.zero_()
+        for view in VIEWS:
+            for bits in self._views[view]:
+                bits.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every view's bits as of the last fold."""
+        return {
+            f"{view}/{key}": self._bits(view, key).clone() for view in VIEWS for key in self._slices
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, bits in state.items():
+            view, key = name.split("/", 1)
+            self._bits(view, key).copy_(bits)
+
+    def close(self) -> None:
+        """Removes the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def _batched_embedding_modules(model: nn.Module) -> Iterable[nn.Module]:
+    """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
+    collections. Sharded collections hide their lookups from ``named_modules``, so this walks
+    their ``_lookups`` explicitly."""
+    for module in model.modules():
+        for lookup in getattr(module, "_lookups", ()):
+            inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
+            for batched in getattr(inner, "_emb_modules", ()):
+                if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
+                    yield batched

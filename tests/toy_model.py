@@ -1,0 +1,122 @@
+"""A small DLRM with one table of each sharding type, for the multi-rank tests.
+
+Deterministic batches come from (step, rank) alone, so an interrupted run and a run that never
+stopped see exactly the same data; ``snapshot_state`` captures everything a bit-identical resume
+must reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+from torchrec.models.dlrm import DLRM
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from embckpt.sharding import discover
+
+ROWS = 240
+DIM = 8
+NUM_DENSE = 4
+BATCH = 16
+KINDS = ("tw", "rw", "cw", "twrw", "dp")
+
+
+def build(world_size: int, seed: int, *, kinds: tuple[str, ...] = KINDS, rows: int = ROWS,
+          optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+    """A DMP model and its dense optimizer; ``seed`` sets every initial value."""
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(name=f"t_{k}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{k}"])
+        for k in kinds
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[16, DIM],
+        over_arch_layer_sizes=[16, 1],
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": optimizer, "learning_rate": 0.1}
+    )
+    generators = {
+        "tw": table_wise(rank=world_size - 1, compute_kernel="fused"),
+        "rw": row_wise(compute_kernel="fused"),
+        "cw": column_wise(ranks=list(range(world_size)), compute_kernel="fused"),
+        "twrw": table_row_wise(host_index=0),
+        "dp": data_parallel(),
+    }
+    module_plan = construct_module_sharding_plan(
+        model.sparse_arch.embedding_bag_collection,
+        {f"t_{k}": generators[k] for k in kinds},
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    if "t_twrw" in module_plan:
+        module_plan["t_twrw"].compute_kernel = "fused"
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = torch.optim.Adagrad(list(dense_params.values()), lr=0.05)
+    return dmp, dense_opt
+
+
+def batch(step: int, rank: int, kinds: tuple[str, ...] = KINDS, rows: int = ROWS,
+          hot: int | None = None) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    """Batch ``step`` of ``rank``: ids drawn from the first ``hot`` rows (all rows if None)."""
+    gen = torch.Generator().manual_seed(step * 1009 + rank)
+    high = hot or rows
+    lengths = torch.randint(1, 3, (len(kinds) * BATCH,), generator=gen)
+    values = torch.randint(0, high, (int(lengths.sum()),), generator=gen)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{k}" for k in kinds], values=values, lengths=lengths
+    )
+    dense = torch.rand(BATCH, NUM_DENSE, generator=gen)
+    labels = (torch.rand(BATCH, generator=gen) < 0.3).float()
+    return dense, kjt, labels
+
+
+def train_step(dmp, opt, step: int, rank: int, **batch_kwargs) -> None:
+    dense, kjt, labels = batch(step, rank, **batch_kwargs)
+    opt.zero_grad()
+    logits = dmp(dense, kjt).squeeze(-1)
+    torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+    opt.step()
+
+
+def snapshot_state(dmp, opt, rank: int) -> dict[str, Any]:
+    """Copies of every table block, optimizer state and dense tensor this rank holds."""
+    out: dict[str, Any] = {}
+    for shard in discover(dmp, rank).shards:
+        out[f"w:{shard.key}"] = shard.weight.detach().clone()
+        for name, t in {**shard.row_states, **shard.elem_states}.items():
+            out[f"s:{shard.key}:{name}"] = t.detach().clone()
+    for key, value in dmp.state_dict().items():
+        if not hasattr(value, "local_shards"):
+            out[f"d:{key}"] = value.detach().clone()
+    for pid, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            out[f"o:{pid}:{name}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Keys whose tensors are not bit-identical (or exist on one side only)."""
+    keys = set(a) | set(b)
+    return sorted(k for k in keys if k not in a or k not in b or not torch.equal(a[k], b[k]))
