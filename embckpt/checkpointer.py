@@ -34,7 +34,7 @@ from embckpt.codecs import Codec, make_codec
 from embckpt.codecs.base import dtype_name
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
-from embckpt.errors import EmbckptError, SaveError
+from embckpt.errors import SaveError
 from embckpt.policy import Decision, Kind, PolicyInput, make_policy
 from embckpt.sharding import ShardedModel, TableShard, discover
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
@@ -410,4 +410,4 @@ def _detached_copy(tree: Any) -> Any:
     return tree
 
 
-__all__ = ["Checkpointer", "PendingCheckpoint", "EmbckptError"]
+

@@ -52,7 +52,9 @@ class ClickDataset:
             value = getattr(self, name)
             if not isinstance(value, np.ndarray) or value.dtype != dtype:
                 found = getattr(value, "dtype", type(value).__name__)
-                raise ConfigError(f"ClickDataset.{name}: expected a {dtype.__name__} array, got {found}")
+                raise ConfigError(
+                    f"ClickDataset.{name}: expected a {dtype.__name__} array, got {found}"
+                )
         if self.dense.ndim != 2 or self.sparse.ndim != 2 or self.labels.ndim != 1:
             raise ConfigError(
                 "ClickDataset: expected dense [N, D], sparse [N, F] and labels [N], got shapes "

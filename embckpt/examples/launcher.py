@@ -6,7 +6,9 @@ Used by the demo, the benchmarks and the multi-rank tests, so all three start ra
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -83,19 +85,23 @@ def run_ranks(
         proc.start()
     outputs: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
+        while len(outputs) < world_size and not failures:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except Exception:
-                dead = [p.exitcode for p in procs]
-                failures.append(f"no result within {timeout_s}s (exit codes {dead})")
-                break
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                # A rank that died without reporting (killed, crashed) fails the run at once.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    failures.append(f"ranks died: {dead} (rank, exit code)")
+                elif time.monotonic() > deadline:
+                    failures.append(f"no result within {timeout_s}s")
+                continue
             if ok:
                 outputs[rank] = value
             else:
                 failures.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for proc in procs:
             proc.join(timeout=5 if failures else 60)

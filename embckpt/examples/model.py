@@ -22,9 +22,9 @@ from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
     column_wise,
     construct_module_sharding_plan,
-    ParameterShardingGenerator,
     data_parallel,
     row_wise,
     table_row_wise,
@@ -117,7 +117,9 @@ def build_plan(
     for table in cfg.table_names:
         kind, _, rank_text = cfg.sharding.get(table, "table_wise").partition(":")
         if rank_text and kind != "table_wise":
-            raise ConfigError(f"table {table}: only table_wise takes a rank, got {kind}:{rank_text}")
+            raise ConfigError(
+                f"table {table}: only table_wise takes a rank, got {kind}:{rank_text}"
+            )
         if kind == "table_wise":
             if rank_text:
                 rank = _parse_rank(table, rank_text, world_size)
@@ -177,7 +179,8 @@ def build_model(
     optimizer_type = _EMB_OPTIMIZERS.get(cfg.embedding_optimizer)
     if optimizer_type is None:
         raise ConfigError(
-            f"embedding_optimizer {cfg.embedding_optimizer!r} is not one of {sorted(_EMB_OPTIMIZERS)}"
+            f"embedding_optimizer {cfg.embedding_optimizer!r} is not one of "
+            f"{sorted(_EMB_OPTIMIZERS)}"
         )
     # Seeded first so that every rank draws the same dense weights and unsharded tables.
     torch.manual_seed(cfg.seed)
@@ -194,7 +197,10 @@ def build_model(
     )
     plan = build_plan(cfg, world_size, ebc, device_type=device.type)
     dmp = DistributedModelParallel(
-        module=model, device=device, plan=plan, sharders=[sharder]  # type: ignore[list-item]
+        module=model,
+        device=device,
+        plan=plan,
+        sharders=[sharder],  # type: ignore[list-item]
     )
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     optimizer = KeyedOptimizerWrapper(
