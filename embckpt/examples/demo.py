@@ -1,0 +1,129 @@
+"""The demo: train the reference DLRM on N ranks with checkpoints, kill every worker between two
+checkpoints, start new workers that restore and finish, then report what checkpoints cost.
+
+This is the failure a checkpointer exists for, done for real: the first workers die by SIGKILL
+(no clean-up runs), and the second set of processes knows nothing but the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embckpt.config import DemoConfig, load_yaml
+from embckpt.examples.launcher import RankFailed, rank_device, run_ranks
+from embckpt.report import build_report, format_table
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.verify import verify
+
+HOLDOUT_FRACTION = 0.1
+
+
+def load_dataset(cfg: DemoConfig) -> Any:
+    """The workload's data: Criteo TSV when ``data_path`` is set, else the synthetic log."""
+    from embckpt.examples.criteo import load_criteo_tsv
+    from embckpt.examples.synthetic import make_synthetic_dataset
+
+    workload = cfg.workload
+    if workload.data_path:
+        return load_criteo_tsv(workload.data_path, workload, max_rows=workload.num_samples)
+    return make_synthetic_dataset(workload)
+
+
+def train_worker(rank: int, world_size: int, cfg: DemoConfig, out: str, kill_at: int | None) -> dict:
+    """One rank of the demo: restore if there is a checkpoint, train, checkpoint, maybe die."""
+    from embckpt import Checkpointer
+    from embckpt.data import ResumableSampler
+    from embckpt.examples.model import build_model, evaluate, make_batch, train_step
+
+    device = rank_device(rank)
+    workload = cfg.workload
+    dataset = load_dataset(cfg)
+    train_samples = int(len(dataset) * (1 - HOLDOUT_FRACTION))
+    holdout = np.arange(train_samples, len(dataset), dtype=np.int64)
+    sampler = ResumableSampler(
+        train_samples, workload.batch_size, rank=rank, world_size=world_size, seed=workload.seed
+    )
+    model, optimizer = build_model(workload, device, world_size)
+    ckpt = Checkpointer(
+        model, out, optimizer=optimizer, config=cfg.checkpoint, statefuls={"data": sampler}
+    )
+    restored = ckpt.restore()
+    losses = []
+    started = time.perf_counter()
+    for step in range((restored or 0) + 1, cfg.steps + 1):
+        losses.append(train_step(model, optimizer, make_batch(dataset, next(sampler), workload, device)))
+        if step % cfg.checkpoint_every == 0:
+            ckpt.save(step).wait()
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    metrics = evaluate(model, dataset, holdout, workload, device)
+    return {
+        "restored_from": restored,
+        "steps_run": len(losses),
+        "seconds": time.perf_counter() - started,
+        "final_loss": float(np.mean(losses[-10:])) if losses else None,
+        **metrics,
+    }
+
+
+def _prepare_out(out: Path) -> None:
+    """Empties an earlier demo's checkpoints; refuses a folder that holds anything else."""
+    if not out.exists():
+        return
+    foreign = [p.name for p in out.iterdir() if not p.name.startswith("step_")]
+    if foreign:
+        raise SystemExit(f"{out} holds files that are not demo checkpoints ({foreign[:3]}): "
+                         "pass an empty or new --out")
+    shutil.rmtree(out)
+
+
+def run_demo(
+    config_path: str | None, out: str, steps: int | None = None, world_size: int | None = None
+) -> int:
+    """Runs the whole demo and prints its report; returns the process exit code."""
+    cfg = load_yaml(config_path, DemoConfig) if config_path else DemoConfig()
+    cfg = dataclasses.replace(
+        cfg, steps=steps or cfg.steps, world_size=world_size or cfg.world_size
+    )
+    every = cfg.checkpoint_every
+    checkpoints = list(range(every, cfg.steps + 1, every))
+    if len(checkpoints) < 2:
+        raise SystemExit(f"--steps {cfg.steps} leaves fewer than 2 checkpoints (every {every})")
+    # Die halfway between the last two checkpoints before two thirds of the run.
+    before = [c for c in checkpoints if c <= cfg.steps * 2 // 3] or checkpoints[:1]
+    kill_at = before[-1] + max(1, every // 2)
+    out_path = Path(out)
+    _prepare_out(out_path)
+    print(f"embckpt demo: {cfg.world_size} ranks, {cfg.steps} steps, checkpoint every {every} "
+          f"({cfg.checkpoint.policy}, full every {cfg.checkpoint.full_every}, codec "
+          f"{cfg.checkpoint.codec}), checkpoints in {out_path}")
+    print(f"phase 1: training, workers will be killed (SIGKILL) at step {kill_at}")
+    try:
+        run_ranks(train_worker, cfg.world_size, cfg, str(out_path), kill_at)
+        print("phase 1: workers were not killed (kill step beyond the run)")
+    except RankFailed as exc:
+        print(f"phase 1: workers died as planned ({str(exc).splitlines()[0]})")
+    store = CheckpointStore(out_path)
+    print(f"committed checkpoints after the kill: {store.committed_steps()}")
+    print("phase 2: new workers restore the latest checkpoint and finish")
+    results = run_ranks(train_worker, cfg.world_size, cfg, str(out_path), None)
+    first = results[0]
+    print(f"restored step {first['restored_from']} on every rank: "
+          f"{[r['restored_from'] for r in results]}; ran {first['steps_run']} more steps "
+          f"in {first['seconds']:.1f}s; holdout AUC {first['auc']:.4f}, "
+          f"log loss {first['logloss']:.4f}")
+    print()
+    print(format_table(build_report(store)))
+    report = verify(store)
+    print(f"verify: {'OK' if report.ok else 'FAILED'} ({len(report.checked)} checkpoints, "
+          f"{report.files_checked} files)")
+    return 0 if report.ok else 1

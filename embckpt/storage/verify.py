@@ -1,0 +1,89 @@
+"""Offline checks of a checkpoint directory: every problem, not only the first.
+
+A committed checkpoint is sound when its manifest parses and matches its own checksum, every
+file it lists has the recorded size and SHA-256, and every checkpoint on its chain back to the
+full base is itself committed. Step folders without a manifest are leftovers of interrupted
+saves: reported, never counted as failures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.manifest import Manifest
+
+
+@dataclass
+class VerifyReport:
+    """Problems found, as (path, reason); checked steps and leftovers."""
+
+    checked: list[int] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    leftovers: list[int] = field(default_factory=list)
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def load_manifests(store: CheckpointStore) -> tuple[dict[int, Manifest], list[tuple[str, str]]]:
+    """Every committed manifest that parses, and the problems of those that do not."""
+    manifests: dict[int, Manifest] = {}
+    problems: list[tuple[str, str]] = []
+    for step in store.committed_steps():
+        path = store.step_path(step, MANIFEST_NAME)
+        try:
+            manifests[step] = Manifest.from_json(
+                store.read_file(step, MANIFEST_NAME).to_pybytes().decode(), path
+            )
+        except (CheckpointCorruptError, UnicodeDecodeError) as exc:
+            problems.append((path, getattr(exc, "reason", str(exc))))
+    return manifests, problems
+
+
+def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
+    """Checks every committed checkpoint (or only ``step`` and its chain)."""
+    report = VerifyReport(leftovers=store.leftover_steps())
+    manifests, problems = load_manifests(store)
+    committed = set(store.committed_steps())
+    if step is not None:
+        if step not in committed:
+            report.problems.append((store.step_path(step, MANIFEST_NAME), "not committed"))
+            return report
+        wanted = _chain_steps(manifests, step)
+        problems = [p for p in problems if any(store.step_path(s) in p[0] for s in wanted)]
+    else:
+        wanted = sorted(committed)
+    report.problems.extend(problems)
+    for current in wanted:
+        manifest = manifests.get(current)
+        if manifest is None:
+            continue
+        report.checked.append(current)
+        for entry in manifest.files:
+            report.files_checked += 1
+            try:
+                store.read_checked(current, entry.written)
+            except CheckpointCorruptError as exc:
+                report.problems.append((exc.path, exc.reason))
+        parent = manifest.parent_step
+        while parent is not None:
+            if parent not in committed:
+                report.problems.append(
+                    (store.step_path(parent, MANIFEST_NAME),
+                     f"missing: step {current} depends on it (base {manifest.base_step})")
+                )
+                break
+            parent = manifests[parent].parent_step if parent in manifests else None
+    return report
+
+
+def _chain_steps(manifests: dict[int, Manifest], step: int) -> list[int]:
+    chain, current = [], step
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = manifests[current].parent_step if current in manifests else None
+    return sorted(chain)
