@@ -196,7 +196,9 @@ class Checkpointer:
                     shard=shard,
                     local_rows=rows.cpu(),
                     weights=shard.weight.index_select(0, rows).cpu(),
-                    row_states={n: t.index_select(0, rows).cpu() for n, t in shard.row_states.items()},
+                    row_states={
+                        n: t.index_select(0, rows).cpu() for n, t in shard.row_states.items()
+                    },
                     elem_states={
                         n: t.index_select(0, rows).cpu() for n, t in shard.elem_states.items()
                     },
@@ -273,7 +275,9 @@ class Checkpointer:
                 rows=global_rows[lo:hi],
                 encoded=self.codec.encode(block.weights[lo:hi]),
                 row_states={n: t[lo:hi].numpy() for n, t in block.row_states.items()},
-                elem_states={n: self.state_codec.encode(t[lo:hi]) for n, t in block.elem_states.items()},
+                elem_states={
+                    n: self.state_codec.encode(t[lo:hi]) for n, t in block.elem_states.items()
+                },
                 metadata={
                     "table": shard.table,
                     "row_offset": shard.row_offset,
@@ -284,7 +288,9 @@ class Checkpointer:
                 },
                 row_group_rows=self.config.row_group_rows,
             )
-            relative = f"tables/{shard.table}/r{shard.row_offset}_c{shard.col_offset}.p{part}.parquet"
+            relative = (
+                f"tables/{shard.table}/r{shard.row_offset}_c{shard.col_offset}.p{part}.parquet"
+            )
             written = self.store.write_file(step, relative, data)
             entries.append(
                 FileEntry(
@@ -307,7 +313,9 @@ class Checkpointer:
         full = snapshot.decision.kind is Kind.FULL
         head = self.head
         total = sum(f.bytes for f in files)
-        entry = HistoryEntry(snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction)
+        entry = HistoryEntry(
+            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
+        )
         history = (entry,) if full or head is None else (*head.history, entry)
         return Manifest(
             step=snapshot.step,
@@ -394,7 +402,9 @@ def _parent(head: Manifest, decision: Decision) -> int:
 
 
 def _entry(written: Any, role: str, rank: int) -> FileEntry:
-    return FileEntry(path=written.path, bytes=written.bytes, sha256=written.sha256, role=role, rank=rank)
+    return FileEntry(
+        path=written.path, bytes=written.bytes, sha256=written.sha256, role=role, rank=rank
+    )
 
 
 def _detached_copy(tree: Any) -> Any:
@@ -408,6 +418,3 @@ def _detached_copy(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_detached_copy(v) for v in tree)
     return tree
-
-
-

@@ -26,7 +26,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(
             f"step {step}: {manifest.kind} (policy {manifest.policy}, parent {parent}, "
             f"base {manifest.base_step}), {len(manifest.files)} files, "
-            f"{manifest.total_bytes:,} bytes, {manifest.world_size} ranks, codec {manifest.codec['id']}"
+            f"{manifest.total_bytes:,} bytes, {manifest.world_size} ranks, "
+            f"codec {manifest.codec['id']}"
         )
     if manifests:
         latest = manifests[max(manifests)]
@@ -35,8 +36,11 @@ def _inspect(args: argparse.Namespace) -> int:
             shards = ", ".join(
                 f"rank {r}: rows {ro}+{nr} cols {co}+{nc}" for r, ro, co, nr, nc in table.shards
             )
-            print(f"  {table.name}: {table.rows} x {table.cols} {table.dtype}, "
-                  f"{table.sharding_type}, states {list(table.row_states + table.elem_states)}; {shards}")
+            states = list(table.row_states + table.elem_states)
+            print(
+                f"  {table.name}: {table.rows} x {table.cols} {table.dtype}, "
+                f"{table.sharding_type}, states {states}; {shards}"
+            )
     for path, reason in problems:
         print(f"unreadable manifest {path}: {reason}")
     for step in store.leftover_steps():
@@ -53,7 +57,8 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"BAD {path}: {reason}")
     steps = ", ".join(map(str, report.checked)) or "none"
     if report.ok:
-        print(f"OK: {len(report.checked)} checkpoints ({steps}), {report.files_checked} files verified")
+        checked = f"{len(report.checked)} checkpoints ({steps}), {report.files_checked} files"
+        print(f"OK: {checked} checked")
         return 0
     print(f"FAILED: {len(report.problems)} problems; first bad file: {report.problems[0][0]}")
     return 1
@@ -71,7 +76,9 @@ def _report(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from embckpt.examples.demo import run_demo
 
-    return run_demo(config_path=args.config, out=args.out, steps=args.steps, world_size=args.world_size)
+    return run_demo(
+        config_path=args.config, out=args.out, steps=args.steps, world_size=args.world_size
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

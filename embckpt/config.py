@@ -108,7 +108,9 @@ class WorkloadConfig:
             raise ConfigError(f"over_arch must end in 1, got {self.over_arch}")
         for table, kind in self.sharding.items():
             if kind.split(":")[0] not in SHARDING_TYPES:
-                raise ConfigError(f"table {table}: sharding {kind!r} is not one of {SHARDING_TYPES}")
+                raise ConfigError(
+                    f"table {table}: sharding {kind!r} is not one of {SHARDING_TYPES}"
+                )
 
     @property
     def table_names(self) -> list[str]:

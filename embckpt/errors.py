@@ -37,4 +37,4 @@ class SaveError(EmbckptError, RuntimeError):
 
 
 class RankError(EmbckptError, RuntimeError):
-    """One or more ranks failed a collective checkpoint operation; the message says which and why."""
+    """Ranks failed a collective checkpoint operation; the message says which and why."""

@@ -84,5 +84,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"restoring the latest reads {totals['restore_chain_bytes']:,}"
     )
     if report["leftovers"]:
-        lines.append(f"leftover folders (interrupted saves, not checkpoints): {report['leftovers']}")
+        lines.append(
+            f"leftover folders (interrupted saves, not checkpoints): {report['leftovers']}"
+        )
     return "\n".join(lines)

@@ -76,12 +76,13 @@ def read_chain(store: CheckpointStore, step: int) -> list[Manifest]:
             chain.append(read_manifest(store, parent))
         except ChainIncompleteError as exc:
             raise ChainIncompleteError(
-                exc.path, f"needed by step {step} (chain from base {chain[-1].base_step}) but "
-                f"not committed"
+                exc.path,
+                f"needed by step {step} (chain from base {chain[-1].base_step}) but not committed",
             ) from None
     if chain[-1].kind != "full":
         raise ChainIncompleteError(
-            store.step_path(chain[-1].step, MANIFEST_NAME), "chain does not start at a full checkpoint"
+            store.step_path(chain[-1].step, MANIFEST_NAME),
+            "chain does not start at a full checkpoint",
         )
     return chain[::-1]
 
@@ -142,7 +143,10 @@ def _stage_rows(ckpt: Checkpointer, chain: list[Manifest]) -> list[_Staged]:
                 state_codec = codec_from_config(block.metadata["state_codec"])
                 weights = codec.decode(block.encoded, entry.shard_cols)
                 # The overlap of the file's columns with this block's, in file coordinates.
-                lo, hi = max(col_lo, entry.col_offset), min(col_hi, entry.col_offset + entry.shard_cols)
+                lo, hi = (
+                    max(col_lo, entry.col_offset),
+                    min(col_hi, entry.col_offset + entry.shard_cols),
+                )
                 a, b = lo - entry.col_offset, hi - entry.col_offset
                 staged.append(
                     _Staged(
@@ -209,20 +213,26 @@ def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
         staged = _stage_rows(ckpt, chain)
         head = chain[-1]
         dense_entry = next(f for f in head.files if f.role == "dense")
-        dense_state = dense.decode_tree(store.read_checked(target, dense_entry.written).to_pybytes())
+        dense_state = dense.decode_tree(
+            store.read_checked(target, dense_entry.written).to_pybytes()
+        )
         if head.world_size == comm.world_size:
             own = next(f for f in head.files if f.role == "rank" and f.rank == comm.rank)
             rank_state = dense.decode_tree(store.read_checked(target, own.written).to_pybytes())
         else:
             log.warning(
                 "step %d was written by %d ranks, restoring onto %d: RNG and per-rank state "
-                "(data position) are not restored", target, head.world_size, comm.world_size,
+                "(data position) are not restored",
+                target,
+                head.world_size,
+                comm.world_size,
             )
     except Exception as exc:  # gathered below so that every rank raises
         error = exc
     comm.check(error, f"restoring step {target}")
 
     _apply(ckpt, staged)
+    assert dense_state is not None  # read above, or every rank raised
     dense.apply_dense_state(dense_state, ckpt.model, ckpt.optimizer, ckpt.sharded.scalar_states)
     if rank_state is not None:
         dense.apply_rank_state(rank_state, ckpt.statefuls)

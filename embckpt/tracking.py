@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,17 +61,17 @@ class RowTracker:
         self._modules: list[_TrackedModule] = []
         # block key -> (module index, first bit, rows)
         self._slices: dict[str, tuple[int, int, int]] = {}
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for batched in _batched_embedding_modules(model):
             self._install(batched, by_block)
         missing = {s.key for s in by_block.values()} - set(self._slices)
         if missing:
             raise RuntimeError(f"no embedding lookup found for blocks {sorted(missing)}")
-        self._views = {
-            view: [torch.zeros_like(m.pending) for m in self._modules] for view in VIEWS
-        }
+        self._views = {view: [torch.zeros_like(m.pending) for m in self._modules] for view in VIEWS}
 
-    def _install(self, batched: nn.Module, by_block: dict[tuple[str, int, int], TableShard]) -> None:
+    def _install(self, batched: Any, by_block: dict[tuple[str, int, int], TableShard]) -> None:
+        """Hooks one TorchRec batched embedding kernel (its private ``_config`` and
+        ``_feature_table_map`` are the only place the block layout is exposed)."""
         tables = batched._config.embedding_tables
         bases, first = [], 0
         replicated = False
@@ -85,7 +86,9 @@ class RowTracker:
         device = next(iter(by_block.values())).weight.device if by_block else None
         tracked = _TrackedModule(
             pending=torch.zeros(first, dtype=torch.bool, device=device),
-            table_of_feature=torch.tensor(batched._feature_table_map, dtype=torch.long, device=device),
+            table_of_feature=torch.tensor(
+                batched._feature_table_map, dtype=torch.long, device=device
+            ),
             table_base=torch.tensor(bases, dtype=torch.long, device=device),
             replicated=replicated,
         )
@@ -118,10 +121,14 @@ class RowTracker:
                 torch.arange(num_features, device=indices.device), counts
             )
         else:
-            feature_of_bag = torch.arange(num_bags, device=indices.device) // (num_bags // num_features)
+            feature_of_bag = torch.arange(num_bags, device=indices.device) // (
+                num_bags // num_features
+            )
         base_of_bag = tracked.table_base[tracked.table_of_feature[feature_of_bag]]
         lengths = offsets[1:] - offsets[:-1]
-        tracked.pending[torch.repeat_interleave(base_of_bag, lengths.to(torch.long)) + indices] = True
+        tracked.pending[torch.repeat_interleave(base_of_bag, lengths.to(torch.long)) + indices] = (
+            True
+        )
 
     # -- reading and consuming views ---------------------------------------------------------
     def _fold(self) -> None:
@@ -201,7 +208,7 @@ class RowTracker:
         self._hooks.clear()
 
 
-def _batched_embedding_modules(model: nn.Module) -> Iterable[nn.Module]:
+def _batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
     """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
     collections. Sharded collections hide their lookups from ``named_modules``, so this walks
     their ``_lookups`` explicitly."""

@@ -67,8 +67,9 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     ckpt.close()
     with Checkpointer(fresh, f"{root}/a", optimizer=fresh_opt, config=one_shot) as other:
         other.restore()
-    out["diff_retry"] = tm.differences(tm.snapshot_state(model, opt, rank),
-                                       tm.snapshot_state(fresh, fresh_opt, rank))
+    out["diff_retry"] = tm.differences(
+        tm.snapshot_state(model, opt, rank), tm.snapshot_state(fresh, fresh_opt, rank)
+    )
 
     # 2. A truncated rows file (written by rank 1) of step 15.
     target = sorted(glob.glob(f"{root}/a/step_000000000015/tables/t_tw/*.parquet"))[0]
@@ -78,7 +79,9 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     with Checkpointer(fresh, f"{root}/a", optimizer=fresh_opt, config=one_shot) as other:
         before = tm.snapshot_state(fresh, fresh_opt, rank)
         out["truncated"] = _error(other.restore)
-        out["untouched_after_refusal"] = tm.differences(before, tm.snapshot_state(fresh, fresh_opt, rank))
+        out["untouched_after_refusal"] = tm.differences(
+            before, tm.snapshot_state(fresh, fresh_opt, rank)
+        )
         # 3. One flipped byte, same size.
         altered = bytearray(original)
         altered[len(altered) // 3] ^= 0xFF

@@ -36,6 +36,14 @@ def test_tracked_rows_equal_changed_rows_for_every_sharding_type() -> None:
             seen_types.add(sharding_type)
             assert changed, f"rank {rank} {key}: nothing changed, the test proves nothing"
             assert tracked == changed, f"rank {rank} {key} ({sharding_type})"
-    partial = [k for b in results for k, (_, changed, _) in b.items() if len(changed) < tm.ROWS // 2]
+    partial = [
+        k for b in results for k, (_, changed, _) in b.items() if len(changed) < tm.ROWS // 2
+    ]
     assert partial, "every block changed almost entirely: the comparison cannot tell rows apart"
-    assert seen_types == {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}
+    assert seen_types == {
+        "table_wise",
+        "row_wise",
+        "column_wise",
+        "table_row_wise",
+        "data_parallel",
+    }

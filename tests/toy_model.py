@@ -35,12 +35,20 @@ BATCH = 16
 KINDS = ("tw", "rw", "cw", "twrw", "dp")
 
 
-def build(world_size: int, seed: int, *, kinds: tuple[str, ...] = KINDS, rows: int = ROWS,
-          optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+def build(
+    world_size: int,
+    seed: int,
+    *,
+    kinds: tuple[str, ...] = KINDS,
+    rows: int = ROWS,
+    optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+):
     """A DMP model and its dense optimizer; ``seed`` sets every initial value."""
     torch.manual_seed(seed)
     tables = [
-        EmbeddingBagConfig(name=f"t_{k}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{k}"])
+        EmbeddingBagConfig(
+            name=f"t_{k}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{k}"]
+        )
         for k in kinds
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
@@ -77,8 +85,9 @@ def build(world_size: int, seed: int, *, kinds: tuple[str, ...] = KINDS, rows: i
     return dmp, dense_opt
 
 
-def batch(step: int, rank: int, kinds: tuple[str, ...] = KINDS, rows: int = ROWS,
-          hot: int | None = None) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, kinds: tuple[str, ...] = KINDS, rows: int = ROWS, hot: int | None = None
+) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     """Batch ``step`` of ``rank``: ids drawn from the first ``hot`` rows (all rows if None)."""
     gen = torch.Generator().manual_seed(step * 1009 + rank)
     high = hot or rows

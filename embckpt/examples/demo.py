@@ -37,7 +37,9 @@ def load_dataset(cfg: DemoConfig) -> Any:
     return make_synthetic_dataset(workload)
 
 
-def train_worker(rank: int, world_size: int, cfg: DemoConfig, out: str, kill_at: int | None) -> dict:
+def train_worker(
+    rank: int, world_size: int, cfg: DemoConfig, out: str, kill_at: int | None
+) -> dict:
     """One rank of the demo: restore if there is a checkpoint, train, checkpoint, maybe die."""
     from embckpt import Checkpointer
     from embckpt.data import ResumableSampler
@@ -59,7 +61,9 @@ def train_worker(rank: int, world_size: int, cfg: DemoConfig, out: str, kill_at:
     losses = []
     started = time.perf_counter()
     for step in range((restored or 0) + 1, cfg.steps + 1):
-        losses.append(train_step(model, optimizer, make_batch(dataset, next(sampler), workload, device)))
+        losses.append(
+            train_step(model, optimizer, make_batch(dataset, next(sampler), workload, device))
+        )
         if step % cfg.checkpoint_every == 0:
             ckpt.save(step).wait()
         if step == kill_at:
@@ -81,8 +85,10 @@ def _prepare_out(out: Path) -> None:
         return
     foreign = [p.name for p in out.iterdir() if not p.name.startswith("step_")]
     if foreign:
-        raise SystemExit(f"{out} holds files that are not demo checkpoints ({foreign[:3]}): "
-                         "pass an empty or new --out")
+        raise SystemExit(
+            f"{out} holds files that are not demo checkpoints ({foreign[:3]}): "
+            "pass an empty or new --out"
+        )
     shutil.rmtree(out)
 
 
@@ -103,9 +109,11 @@ def run_demo(
     kill_at = before[-1] + max(1, every // 2)
     out_path = Path(out)
     _prepare_out(out_path)
-    print(f"embckpt demo: {cfg.world_size} ranks, {cfg.steps} steps, checkpoint every {every} "
-          f"({cfg.checkpoint.policy}, full every {cfg.checkpoint.full_every}, codec "
-          f"{cfg.checkpoint.codec}), checkpoints in {out_path}")
+    print(
+        f"embckpt demo: {cfg.world_size} ranks, {cfg.steps} steps, checkpoint every {every} "
+        f"({cfg.checkpoint.policy}, full every {cfg.checkpoint.full_every}, codec "
+        f"{cfg.checkpoint.codec}), checkpoints in {out_path}"
+    )
     print(f"phase 1: training, workers will be killed (SIGKILL) at step {kill_at}")
     try:
         run_ranks(train_worker, cfg.world_size, cfg, str(out_path), kill_at)
@@ -117,13 +125,17 @@ def run_demo(
     print("phase 2: new workers restore the latest checkpoint and finish")
     results = run_ranks(train_worker, cfg.world_size, cfg, str(out_path), None)
     first = results[0]
-    print(f"restored step {first['restored_from']} on every rank: "
-          f"{[r['restored_from'] for r in results]}; ran {first['steps_run']} more steps "
-          f"in {first['seconds']:.1f}s; holdout AUC {first['auc']:.4f}, "
-          f"log loss {first['logloss']:.4f}")
+    print(
+        f"restored step {first['restored_from']} on every rank: "
+        f"{[r['restored_from'] for r in results]}; ran {first['steps_run']} more steps "
+        f"in {first['seconds']:.1f}s; holdout AUC {first['auc']:.4f}, "
+        f"log loss {first['logloss']:.4f}"
+    )
     print()
     print(format_table(build_report(store)))
     report = verify(store)
-    print(f"verify: {'OK' if report.ok else 'FAILED'} ({len(report.checked)} checkpoints, "
-          f"{report.files_checked} files)")
+    print(
+        f"verify: {'OK' if report.ok else 'FAILED'} ({len(report.checked)} checkpoints, "
+        f"{report.files_checked} files)"
+    )
     return 0 if report.ok else 1

@@ -145,9 +145,14 @@ class Manifest:
                 **{
                     **body,
                     "tables": tuple(
-                        TableEntry(**{**t, "row_states": tuple(t["row_states"]),
-                                      "elem_states": tuple(t["elem_states"]),
-                                      "shards": tuple(tuple(s) for s in t["shards"])})
+                        TableEntry(
+                            **{
+                                **t,
+                                "row_states": tuple(t["row_states"]),
+                                "elem_states": tuple(t["elem_states"]),
+                                "shards": tuple(tuple(s) for s in t["shards"]),
+                            }
+                        )
                         for t in body["tables"]
                     ),
                     "files": tuple(FileEntry(**f) for f in body["files"]),

@@ -92,7 +92,9 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBloc
         raise CheckpointCorruptError(path, f"not a readable embckpt Parquet file: {exc}") from exc
     names = table.column_names
     codec_cols = {
-        n: table[n] for n in names if n != ROW_COLUMN and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
+        n: table[n]
+        for n in names
+        if n != ROW_COLUMN and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
     }
     row_states = {
         n[len(STATE_PREFIX) :]: table[n].to_numpy() for n in names if n.startswith(STATE_PREFIX)

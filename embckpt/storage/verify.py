@@ -73,8 +73,10 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
         while parent is not None:
             if parent not in committed:
                 report.problems.append(
-                    (store.step_path(parent, MANIFEST_NAME),
-                     f"missing: step {current} depends on it (base {manifest.base_step})")
+                    (
+                        store.step_path(parent, MANIFEST_NAME),
+                        f"missing: step {current} depends on it (base {manifest.base_step})",
+                    )
                 )
                 break
             parent = manifests[parent].parent_step if parent in manifests else None
@@ -82,7 +84,8 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
 
 
 def _chain_steps(manifests: dict[int, Manifest], step: int) -> list[int]:
-    chain, current = [], step
+    chain: list[int] = []
+    current: int | None = step
     while current is not None and current not in chain:
         chain.append(current)
         current = manifests[current].parent_step if current in manifests else None

@@ -1,0 +1,20 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first
+# (scripts/setup.sh returns at once when .venv is already complete).
+PY := .venv/bin/python
+export LOCAL_WORLD_SIZE ?= 2
+
+.PHONY: setup demo test lint
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/embckpt demo --config configs/demo.yaml --out demo_out
+
+lint: setup
+	$(PY) -m ruff check embckpt tests benchmarks
+	$(PY) -m ruff format --check embckpt tests benchmarks
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider
