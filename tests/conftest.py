@@ -1,7 +1,44 @@
-"""Shared fixtures: multi-rank tests run through embckpt's own launcher (gloo on loopback)."""
+"""Shared fixtures. Multi-rank work runs through embckpt's own launcher (gloo on loopback)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("LOCAL_WORLD_SIZE", "2")
+
+
+def _save_small_run(rank: int, world_size: int, root: str) -> None:
+    import toy_model as tm
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    model, opt = tm.build(world_size, seed=0)
+    for name, policy in (("one_shot", "one_shot"), ("incremental", "incremental")):
+        config = CheckpointConfig(policy=policy, full_every=0)
+        with Checkpointer(model, f"{root}/{name}", optimizer=opt, config=config) as ckpt:
+            for step in range(1, 16):
+                tm.train_step(model, opt, step, rank, hot=80)
+                if step % 5 == 0:
+                    ckpt.save(step).wait()
+
+
+@pytest.fixture(scope="session")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two checkpoint directories written by 2 ranks (steps 5 full, 10 and 15 diffs):
+    ``one_shot/`` and ``incremental/``. Read-only: copy before damaging."""
+    from embckpt.examples.launcher import run_ranks
+
+    root = tmp_path_factory.mktemp("saved")
+    run_ranks(_save_small_run, 2, str(root))
+    return root
+
+
+@pytest.fixture
+def run_copy(saved_runs: Path, tmp_path: Path) -> Path:
+    """A private copy of :func:`saved_runs` that a test may damage."""
+    shutil.copytree(saved_runs, tmp_path / "runs")
+    return tmp_path / "runs"

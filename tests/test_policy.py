@@ -1,0 +1,48 @@
+"""Policies are pure: the same inputs give the same decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from embckpt.config import CheckpointConfig
+from embckpt.errors import ConfigError
+from embckpt.policy import Kind, PolicyInput, make_policy
+from embckpt.storage.manifest import HistoryEntry
+
+
+def _history(n: int) -> tuple[HistoryEntry, ...]:
+    """A full checkpoint and n - 1 diffs after it (nothing when n is 0)."""
+    if n == 0:
+        return ()
+    full = HistoryEntry(step=10, kind="full", bytes=1000, dirty_fraction=1.0)
+    diffs = tuple(HistoryEntry(10 + 10 * i, "diff", 100 * i, 0.1 * i) for i in range(1, n))
+    return (full, *diffs)
+
+
+def _decide(policy: str, full_every: int, history_len: int):
+    config = CheckpointConfig(policy=policy, full_every=full_every)
+    return make_policy(config).decide(PolicyInput(100, 0.2, 0.4, _history(history_len)))
+
+
+@pytest.mark.parametrize("policy", ["full", "one_shot", "incremental"])
+def test_first_checkpoint_is_full(policy: str) -> None:
+    assert _decide(policy, 0, 0).kind is Kind.FULL
+
+
+def test_one_shot_diffs_against_the_full_and_incremental_against_the_last() -> None:
+    assert _decide("one_shot", 0, 3).kind is Kind.DIFF
+    assert _decide("one_shot", 0, 3).view == "since_full"
+    assert _decide("incremental", 0, 3).view == "since_last"
+    assert _decide("full", 0, 3).kind is Kind.FULL
+
+
+@pytest.mark.parametrize("policy", ["one_shot", "incremental"])
+def test_full_every_k(policy: str) -> None:
+    # After a full checkpoint, K-1 diffs, then a full one again.
+    kinds = [_decide(policy, 3, n).kind for n in (1, 2, 3)]
+    assert kinds == [Kind.DIFF, Kind.DIFF, Kind.FULL]
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ConfigError, match="policy 'nope'"):
+        CheckpointConfig(policy="nope")
