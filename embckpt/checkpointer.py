@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.codecs import Codec, make_codec
+from embckpt.codecs import Codec, codec_for, make_codec
 from embckpt.codecs.base import dtype_name
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
@@ -122,7 +122,7 @@ class Checkpointer:
         self.sharded: ShardedModel = discover(model, self.comm.rank)
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(self.config)
-        self.codec: Codec = make_codec(self.config.codec, self.config.codec_options)
+        self.codec: Codec = codec_for(self.config)
         self.state_codec: Codec = make_codec(self.config.optimizer_codec)
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
 

@@ -29,7 +29,9 @@ class CheckpointConfig:
             ``incremental`` (diffs against the previous checkpoint).
         full_every: a full checkpoint every this many checkpoints (0: only the first one).
         codec: registry id of the row codec (``raw`` is lossless fp32).
-        codec_options: extra settings passed to the codec (bits, ...).
+        bits: code width of quantizing codecs (2, 3, 4 or 8); None for the codec's default.
+        entropy: entropy stage over the codes: ``none``, ``huffman`` or ``zstd``.
+        codec_options: extra settings passed to the codec.
         optimizer_codec: codec of row-wise optimizer state (lossless by default).
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
         max_file_rows: rows per Parquet file; a larger block is split into several files so
@@ -40,6 +42,8 @@ class CheckpointConfig:
     policy: str = "one_shot"
     full_every: int = 4
     codec: str = "raw"
+    bits: int | None = None
+    entropy: str = "none"
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     optimizer_codec: str = "raw"
     row_group_rows: int = 65536

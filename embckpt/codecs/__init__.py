@@ -8,5 +8,20 @@ from embckpt.codecs.base import (
     register,
 )
 from embckpt.codecs.raw import RawCodec
+from embckpt.config import CheckpointConfig
 
-__all__ = ["Codec", "EncodedRows", "RawCodec", "codec_from_config", "make_codec", "register"]
+
+def codec_for(config: CheckpointConfig) -> Codec:
+    """The row codec a checkpoint configuration asks for."""
+    return make_codec(config.codec, config.codec_options)
+
+
+__all__ = [
+    "Codec",
+    "EncodedRows",
+    "RawCodec",
+    "codec_for",
+    "codec_from_config",
+    "make_codec",
+    "register",
+]

@@ -42,18 +42,28 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class EncodedRows:
-    """One batch of encoded rows: equal-length Parquet columns and the codec's file metadata."""
+    """One batch of encoded rows: equal-length Parquet columns and the codec's file metadata.
+
+    ``compression`` optionally names a Parquet compression per column (e.g. ``{"payload":
+    "zstd"}``), for codecs whose entropy stage is Parquet's own.
+    """
 
     columns: Mapping[str, pa.Array]
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    compression: Mapping[str, str] = field(default_factory=dict)
 
 
 class Codec(abc.ABC):
-    """Encodes rows of one table shard. Subclasses set ``codec_id`` and ``format_version``."""
+    """Encodes rows of one table shard. Subclasses set ``codec_id`` and ``format_version``.
+
+    A ``delta`` codec encodes the difference between the rows and the last reconstructed state
+    of the same rows; a reader adds what it decodes to the rows it already restored.
+    """
 
     codec_id: ClassVar[str]
     format_version: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
+    delta: ClassVar[bool] = False
 
     @abc.abstractmethod
     def encode(self, rows: torch.Tensor) -> EncodedRows:

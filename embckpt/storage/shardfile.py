@@ -60,12 +60,14 @@ def encode_file(
         "elem_meta": {name: dict(s.metadata) for name, s in elem_states.items()},
     }
     table = pa.table(columns).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+    compression = {name: "none" for name in columns}
+    compression.update(encoded.compression)
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
         row_group_size=row_group_rows,
-        compression="none",
+        compression=compression,
         use_dictionary=False,
         write_statistics=[ROW_COLUMN],
         column_encoding={
