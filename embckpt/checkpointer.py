@@ -1,27 +1,32 @@
-"""``Checkpointer``: differential, sharded checkpoints of a TorchRec model.
+"""``Checkpointer``: differential, sharded, pipelined checkpoints of a TorchRec model.
 
 Pipeline of one ``save(step)`` (every rank calls it together):
 
-1. decide   - fold the row trackers, sum dirty fractions over ranks, ask the policy
-              (identical inputs on every rank, so an identical decision);
-2. snapshot - copy the rows to write (all rows, or the dirty rows of the policy's view), their
-              optimizer state and the dense state off the live model, and take the tracker
-              view the decision consumes;
-3. persist  - encode each block, write Parquet files and the dense files, report every file to
-              all ranks; rank 0 writes the manifest last, which commits the checkpoint;
-4. account  - on success record the manifest as the chain's head; on failure give the taken
-              tracker bits back, so the next checkpoint still writes those rows.
+1. wait     - the previous checkpoint's persist must be done (one in flight); its failure, if
+              nobody saw it yet, is raised here;
+2. decide   - fold the row trackers, combine dirty fractions and interval measurements over
+              ranks, ask the policy (identical inputs everywhere, so an identical decision);
+3. snapshot - take the tracker view the decision consumes, copy the dense state, and copy the
+              rows to write (all, or the dirty rows) with their optimizer state into the staging
+              arena. A checkpoint larger than the staging budget is staged and written piece by
+              piece; only the last piece leaves the training thread. With ``pipeline="full"``
+              the last piece's copy also runs in the background, and the next weight update
+              (the fused backward, the dense optimizer step) waits for it;
+4. persist  - in the background: encode and write Parquet files and the dense files, agree
+              across ranks, rank 0 writes the manifest last, which commits the checkpoint;
+5. account  - on success the manifest becomes the chain's head; on failure the taken tracker
+              bits are given back, so the next checkpoint still writes those rows.
 
-Restores (``restore``) are in :mod:`embckpt.restore`.
+``save`` returns after step 3. Restores are in :mod:`embckpt.restore`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
+import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +40,15 @@ from embckpt.codecs.base import dtype_name
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import SaveError
+from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, make_policy
-from embckpt.sharding import ShardedModel, TableShard, discover
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.sharding import ShardedModel, discover
+from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
+from embckpt.staging import StagingArena
+from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
 from embckpt.storage.shardfile import encode_file
-from embckpt.tracking import RowTracker
-
-log = logging.getLogger(__name__)
+from embckpt.tracking import RowTracker, batched_embedding_modules
 
 DENSE_FILE = "dense/model.safetensors"
 
@@ -53,48 +59,46 @@ def rank_file(rank: int) -> str:
 
 class PendingCheckpoint:
     """A save in progress. ``wait()`` returns its manifest (None if the policy skipped) or raises
-    the error that stopped it."""
+    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread."""
 
     def __init__(self, step: int, future: concurrent.futures.Future[Manifest | None]) -> None:
         self.step = step
+        self.blocked_s = 0.0
         self._future = future
+        self.observed = False
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self) -> Manifest | None:
+        self.observed = True
         return self._future.result()
 
 
 @dataclass
-class _BlockSnapshot:
-    """A copy of the rows of one block that a checkpoint writes."""
-
-    shard: TableShard
-    local_rows: torch.Tensor
-    weights: torch.Tensor
-    row_states: dict[str, torch.Tensor]
-    elem_states: dict[str, torch.Tensor]
-
-
-@dataclass
 class _Snapshot:
+    """Everything one checkpoint writes, staged; ``pending`` is the part the persist stages."""
+
     step: int
     decision: Decision
-    blocks: list[_BlockSnapshot]
-    dense: dict[str, Any] | None
-    rank: dict[str, Any]
     dirty_fraction: float
     started: float
+    taken: dict[str, list[torch.Tensor]]
+    dense: dict[str, Any] | None
+    rank: dict[str, Any]
+    pending: list[Unit] = field(default_factory=list)
+    staged: list[StagedUnit] = field(default_factory=list)
+    entries: list[FileEntry] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 class Checkpointer:
     """Checkpoints a ``DistributedModelParallel`` model into ``directory``.
 
-    All ranks construct it, and call ``save`` and ``restore``, together.
+    All ranks construct it, and call ``save`` / ``maybe_save`` / ``restore``, together.
 
     Args:
-        model: the DMP model (a single-process sharded model works too).
+        model: the DMP model.
         directory: local path or ``pyarrow.fs`` URI; created if missing.
         optimizer: the dense optimizer (the fused embedding optimizer is found on the model).
         config: how to checkpoint; defaults to :class:`CheckpointConfig`'s defaults.
@@ -125,45 +129,94 @@ class Checkpointer:
         self.codec: Codec = codec_for(self.config)
         self.state_codec: Codec = make_codec(self.config.optimizer_codec)
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
+        device = (
+            self.sharded.shards[0].weight.device if self.sharded.shards else torch.device("cpu")
+        )
+        self._arena = StagingArena(self.config.staging_budget_bytes, device)
+        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._persister = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
+        self._io = concurrent.futures.ThreadPoolExecutor(self.config.io_threads, "embckpt-io")
+        self._inflight: PendingCheckpoint | None = None
+        self._copy_done = threading.Event()
+        self._copy_done.set()
+        self._guards = self._install_update_guards()
+        self.interval = AdaptiveInterval(self.config.interval, self.config.stall_bound)
+        self._clock = IterationClock()
+        self._blocked_since_tick = 0.0
+        self._last_blocked_s = 0.0
+        self._next_step: int | None = None
+        self._full_fp32_bytes = self._measure_full_fp32_bytes()
 
-    # -- save -------------------------------------------------------------------------------
+    # -- when to save -------------------------------------------------------------------------
+    def maybe_save(self, step: int) -> PendingCheckpoint | None:
+        """Call once per iteration, after the optimizer step: saves when the interval says so.
+
+        With ``config.adaptive_interval`` the interval is re-chosen at every checkpoint from
+        measured costs so that checkpointing stays under ``config.stall_bound`` of training time.
+        """
+        busy = self._inflight is not None and not self._inflight.done()
+        self._clock.tick(time.perf_counter(), busy, self._blocked_since_tick)
+        self._blocked_since_tick = 0.0
+        if self._next_step is None:
+            self._next_step = step + self.interval.interval - 1
+        if step < self._next_step:
+            return None
+        return self.save(step)
+
+    # -- save ---------------------------------------------------------------------------------
     def save(self, step: int) -> PendingCheckpoint:
-        """Checkpoints the model as of ``step`` (collective).
-
-        Returns:
-            A handle; this version persists synchronously, so it is already done.
+        """Checkpoints the model as of ``step`` (collective); returns once the state is staged.
 
         Raises:
-            SaveError: the step is already committed, or writing failed on some rank; the
-                previous checkpoint stays restorable.
+            SaveError: the step is already committed; or the previous checkpoint's persist
+                failed and that error was not yet seen through ``wait()`` (raised once).
         """
-        future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
         started = time.perf_counter()
+        self._finish_inflight()
         decision, dirty = self._decide(step)
+        future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+        handle = PendingCheckpoint(step, future)
         if decision.kind is Kind.SKIP:
             future.set_result(None)
-            return PendingCheckpoint(step, future)
-        snapshot, taken = self._snapshot(step, decision, dirty, started)
+            return handle
+        snapshot = self._snapshot(step, decision, dirty, started)
+        mode = self.config.pipeline
+        if mode == "off":
+            _run_into(future, self._persist, snapshot)
+            if future.exception() is not None:
+                handle.observed = True
+                future.result()
+        else:
+            if mode == "persist" and snapshot.pending:
+                snapshot.staged = self._stage_piece(snapshot.pending)
+                snapshot.pending = []
+            elif snapshot.pending:
+                self._copy_done.clear()  # weight updates wait until the background copy is done
+            self._persister.submit(_run_into, future, self._persist, snapshot)
+        handle.blocked_s = time.perf_counter() - started
+        self._blocked_since_tick += handle.blocked_s
+        self._last_blocked_s = handle.blocked_s
+        self._inflight = handle
+        return handle
+
+    def _finish_inflight(self) -> None:
+        """Waits for the checkpoint in flight; raises its failure if nobody has seen it."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
         try:
-            manifest = self._persist(snapshot)
+            inflight._future.result()
         except BaseException:
-            self.tracker.give_back("since_last", taken["since_last"])
-            if "since_full" in taken:
-                self.tracker.give_back("since_full", taken["since_full"])
-            raise
-        self.head = manifest
-        future.set_result(manifest)
-        return PendingCheckpoint(step, future)
+            if not inflight.observed:
+                inflight.observed = True
+                raise
 
     def _decide(self, step: int) -> tuple[Decision, dict[str, float]]:
-        committed = self.comm.broadcast(
-            self.store.is_committed(step) if self.comm.rank == 0 else None
+        problem = self.comm.broadcast(
+            self._prepare_step_folder(step) if self.comm.rank == 0 else None
         )
-        if committed:
-            raise SaveError(
-                f"step {step}: {self.store.step_path(step, MANIFEST_NAME)} already exists; "
-                "a committed checkpoint is never overwritten"
-            )
+        if problem is not None:
+            raise SaveError(problem)
         self.tracker.fold()
         local = [0.0, 0.0, 0.0]
         for shard in self.sharded.writer_shards():
@@ -171,6 +224,14 @@ class Checkpointer:
             local[1] += self.tracker.count(shard.key, "since_full") * shard.num_cols
             local[2] += shard.num_rows * shard.num_cols
         since_last, since_full, total = self.comm.all_sum(local)
+        measured = self._clock.collect(self._last_blocked_s)
+        worst = self.comm.all_max(
+            [measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s]
+        )
+        if self.config.adaptive_interval and measured.iterations:
+            clean, extra, blocked = worst
+            self.interval.update(IntervalMeasurements(clean, extra, blocked, measured.iterations))
+        self._next_step = step + self.interval.interval
         dirty = {
             "since_last": since_last / max(total, 1.0),
             "since_full": since_full / max(total, 1.0),
@@ -181,29 +242,35 @@ class Checkpointer:
         )
         return decision, dirty
 
+    def _prepare_step_folder(self, step: int) -> str | None:
+        """Rank 0, before any rank writes: refuses a committed step, clears an interrupted one."""
+        if self.store.is_committed(step):
+            return (
+                f"step {step}: {self.store.step_path(step, MANIFEST_NAME)} already exists; "
+                "a committed checkpoint is never overwritten"
+            )
+        try:
+            if step in self.store.leftover_steps():
+                self.store.remove_step(step)  # debris of an interrupted save of this step
+        except OSError as exc:
+            return f"step {step}: cannot clear the leftover folder: {exc}"
+        return None
+
     @torch.no_grad()
     def _snapshot(
         self, step: int, decision: Decision, dirty: dict[str, float], started: float
-    ) -> tuple[_Snapshot, dict[str, list[torch.Tensor]]]:
-        blocks = []
+    ) -> _Snapshot:
+        selected = []
         for shard in self.sharded.writer_shards():
             if decision.kind is Kind.FULL:
                 rows = torch.arange(shard.num_rows, device=shard.weight.device)
+                selected.append((shard, rows, True))
             else:
                 rows = self.tracker.dirty(shard.key, decision.view or "since_last")
-            blocks.append(
-                _BlockSnapshot(
-                    shard=shard,
-                    local_rows=rows.cpu(),
-                    weights=shard.weight.index_select(0, rows).cpu(),
-                    row_states={
-                        n: t.index_select(0, rows).cpu() for n, t in shard.row_states.items()
-                    },
-                    elem_states={
-                        n: t.index_select(0, rows).cpu() for n, t in shard.elem_states.items()
-                    },
-                )
-            )
+                selected.append((shard, rows, False))
+        taken = {"since_last": self.tracker.take("since_last")}
+        if decision.kind is Kind.FULL:
+            taken["since_full"] = self.tracker.take("since_full")
         dense_state = None
         if self.comm.rank == 0:
             dense_state = _detached_copy(
@@ -211,103 +278,157 @@ class Checkpointer:
                     self.model, self.optimizer, self.sharded.table_keys, self.sharded.scalar_states
                 )
             )
-        taken = {"since_last": self.tracker.take("since_last")}
-        if decision.kind is Kind.FULL:
-            taken["since_full"] = self.tracker.take("since_full")
         fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or "since_last"]
         snapshot = _Snapshot(
             step=step,
             decision=decision,
-            blocks=blocks,
-            dense=dense_state,
-            rank=_detached_copy(dense.rank_state(self.statefuls)),
             dirty_fraction=fraction,
             started=started,
+            taken=taken,
+            dense=dense_state,
+            rank=_detached_copy(dense.rank_state(self.statefuls)),
         )
-        return snapshot, taken
+        units = plan_units(selected, self.config.max_file_rows, self.config.staging_budget_bytes)
+        pieces = plan_pieces(units, self.config.staging_budget_bytes)
+        # Pieces beyond the budget are staged and written now, on the training thread: the state
+        # must stay as of this step until every piece is copied. Errors go to the persist, which
+        # reports them on every rank.
+        for piece in pieces[:-1]:
+            if snapshot.error is None:
+                try:
+                    staged = self._stage_piece(piece)
+                    snapshot.entries.extend(self._write_units(step, staged))
+                except Exception as exc:
+                    snapshot.error = exc
+        snapshot.pending = pieces[-1]
+        return snapshot
+
+    def _stage_piece(self, piece: list[Unit]) -> list[StagedUnit]:
+        staged = stage(piece, self._arena, self._side_stream)
+        if self._side_stream is not None:
+            self._side_stream.synchronize()
+        return staged
+
+    def _install_update_guards(self) -> list[Any]:
+        """Makes every weight update wait for a background snapshot copy (pipeline="full")."""
+        handles: list[Any] = []
+        if self.config.pipeline != "full":
+            return handles
+
+        def guard_output(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not self._copy_done.is_set() and isinstance(output, torch.Tensor):
+                if output.requires_grad:
+                    output.register_hook(self._wait_copy_hook)
+                else:
+                    self._copy_done.wait()
+
+        for batched in batched_embedding_modules(self.model):
+            handles.append(batched.emb_module.register_forward_hook(guard_output))
+        if self.optimizer is not None:
+            # Optimizer step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which
+            # delegates step() to an inner optimizer: wrap the instance's step instead.
+            original_step = self.optimizer.step
+
+            def guarded_step(*args: Any, **kwargs: Any) -> Any:
+                self._copy_done.wait()
+                return original_step(*args, **kwargs)
+
+            self.optimizer.step = guarded_step
+            handles.append((self.optimizer, original_step))
+        return handles
+
+    def _wait_copy_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self._copy_done.wait()
+        return grad
 
     def _persist(self, snapshot: _Snapshot) -> Manifest:
         step = snapshot.step
-        entries: list[FileEntry] = []
-        error: BaseException | None = None
+        started = time.perf_counter()
         try:
-            if self.comm.rank == 0 and step in self.store.leftover_steps():
-                self.store.remove_step(step)  # debris of an interrupted save of this step
-        except Exception as exc:  # reported collectively below
-            error = exc
-        self.comm.check(error, f"cleaning step {step}")
+            error = snapshot.error
+            if error is None and snapshot.pending:
+                try:
+                    snapshot.staged = self._stage_piece(snapshot.pending)
+                finally:
+                    self._copy_done.set()
+            if error is None:
+                error = self._write_rest(snapshot)
+            self.comm.check(_as_save_error(error, step), f"saving step {step}")
+            entries = [e for rank in self.comm.all_gather(snapshot.entries) for e in rank]
+            manifest = self._manifest(snapshot, entries)
+            error = None
+            if self.comm.rank == 0:
+                try:
+                    self.store.write_atomic(
+                        self.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
+                    )
+                except Exception as exc:
+                    error = exc
+            self.comm.check(
+                _as_save_error(error, step, "writing the manifest"), f"committing step {step}"
+            )
+        except BaseException:
+            self._copy_done.set()
+            for view, bits in snapshot.taken.items():
+                self.tracker.give_back(view, bits)
+            raise
+        self.head = manifest.with_stats(persist_seconds=time.perf_counter() - started)
+        return self.head
+
+    def _write_rest(self, snapshot: _Snapshot) -> BaseException | None:
+        """Writes the last piece's rows and the dense files; returns the error, if any."""
+        step = snapshot.step
         try:
-            for block in snapshot.blocks:
-                entries.extend(self._write_block(step, block))
+            snapshot.entries.extend(self._write_units(step, snapshot.staged))
             if snapshot.dense is not None:
                 written = self.store.write_file(step, DENSE_FILE, dense.encode_tree(snapshot.dense))
-                entries.append(_entry(written, "dense", self.comm.rank))
+                snapshot.entries.append(_entry(written, "dense", self.comm.rank))
             written = self.store.write_file(
                 step, rank_file(self.comm.rank), dense.encode_tree(snapshot.rank)
             )
-            entries.append(_entry(written, "rank", self.comm.rank))
+            snapshot.entries.append(_entry(written, "rank", self.comm.rank))
         except Exception as exc:
-            error = SaveError(f"step {step}: writing failed: {exc}")
-            error.__cause__ = exc
-        self.comm.check(error, f"saving step {step}")
-        all_entries = [e for rank_entries in self.comm.all_gather(entries) for e in rank_entries]
-        manifest = self._manifest(snapshot, all_entries)
-        error = None
-        if self.comm.rank == 0:
-            try:
-                self.store.write_atomic(
-                    self.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
-                )
-            except Exception as exc:
-                error = SaveError(f"step {step}: writing the manifest failed: {exc}")
-                error.__cause__ = exc
-        self.comm.check(error, f"committing step {step}")
-        return manifest
+            return exc
+        return None
 
-    def _write_block(self, step: int, block: _BlockSnapshot) -> list[FileEntry]:
-        shard = block.shard
-        entries = []
+    def _write_units(self, step: int, staged: list[StagedUnit]) -> list[FileEntry]:
+        """Encodes and writes units in parallel (pyarrow, hashing and I/O release the GIL)."""
+        return list(self._io.map(lambda unit: self._write_block(step, unit), staged))
+
+    def _write_block(self, step: int, block: StagedUnit) -> FileEntry:
+        shard = block.unit.shard
         global_rows = (block.local_rows + shard.row_offset).numpy()
-        limit = self.config.max_file_rows
-        for part, lo in enumerate(range(0, len(global_rows), limit)):
-            hi = lo + limit
-            data = encode_file(
-                rows=global_rows[lo:hi],
-                encoded=self.codec.encode(block.weights[lo:hi]),
-                row_states={n: t[lo:hi].numpy() for n, t in block.row_states.items()},
-                elem_states={
-                    n: self.state_codec.encode(t[lo:hi]) for n, t in block.elem_states.items()
-                },
-                metadata={
-                    "table": shard.table,
-                    "row_offset": shard.row_offset,
-                    "col_offset": shard.col_offset,
-                    "cols": shard.num_cols,
-                    "codec": self.codec.get_config(),
-                    "state_codec": self.state_codec.get_config(),
-                },
-                row_group_rows=self.config.row_group_rows,
-            )
-            relative = (
-                f"tables/{shard.table}/r{shard.row_offset}_c{shard.col_offset}.p{part}.parquet"
-            )
-            written = self.store.write_file(step, relative, data)
-            entries.append(
-                FileEntry(
-                    path=written.path,
-                    bytes=written.bytes,
-                    sha256=written.sha256,
-                    role="rows",
-                    rank=self.comm.rank,
-                    table=shard.table,
-                    row_offset=shard.row_offset,
-                    col_offset=shard.col_offset,
-                    shard_rows=shard.num_rows,
-                    shard_cols=shard.num_cols,
-                    rows=int(min(hi, len(global_rows)) - lo),
-                )
-            )
-        return entries
+        data = encode_file(
+            rows=global_rows,
+            encoded=self.codec.encode(block.weights),
+            row_states={n: t.cpu().numpy() for n, t in block.row_states.items()},
+            elem_states={n: self.state_codec.encode(t) for n, t in block.elem_states.items()},
+            metadata={
+                "table": shard.table,
+                "row_offset": shard.row_offset,
+                "col_offset": shard.col_offset,
+                "cols": shard.num_cols,
+                "codec": self.codec.get_config(),
+                "state_codec": self.state_codec.get_config(),
+            },
+            row_group_rows=self.config.row_group_rows,
+        )
+        block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}"
+        relative = f"tables/{shard.table}/{block_name}.parquet"
+        written = self.store.write_file(step, relative, data)
+        return FileEntry(
+            path=written.path,
+            bytes=written.bytes,
+            sha256=written.sha256,
+            role="rows",
+            rank=self.comm.rank,
+            table=shard.table,
+            row_offset=shard.row_offset,
+            col_offset=shard.col_offset,
+            shard_rows=shard.num_rows,
+            shard_cols=shard.num_cols,
+            rows=len(global_rows),
+        )
 
     def _manifest(self, snapshot: _Snapshot, files: list[FileEntry]) -> Manifest:
         full = snapshot.decision.kind is Kind.FULL
@@ -331,7 +452,7 @@ class Checkpointer:
             stats={
                 "rows_written": sum(f.rows for f in files if f.role == "rows"),
                 "dirty_fraction": snapshot.dirty_fraction,
-                "full_fp32_bytes": self._full_fp32_bytes(),
+                "full_fp32_bytes": self._full_fp32_bytes,
                 "save_seconds": time.perf_counter() - snapshot.started,
                 "reason": snapshot.decision.reason,
                 "created_unix": time.time(),
@@ -357,7 +478,7 @@ class Checkpointer:
             )
         return tuple(tables)
 
-    def _full_fp32_bytes(self) -> int:
+    def _measure_full_fp32_bytes(self) -> int:
         """What one uncompressed fp32 checkpoint of every table and its optimizer state takes."""
         local = 0.0
         for shard in self.sharded.writer_shards():
@@ -365,9 +486,11 @@ class Checkpointer:
             local += 4.0 * shard.num_rows * per_row
         return int(self.comm.all_sum([local])[0])
 
-    # -- restore ----------------------------------------------------------------------------
+    # -- restore ------------------------------------------------------------------------------
     def restore(self, step: int | None = None) -> int | None:
         """Loads checkpoint ``step`` (the latest committed one if None) into the live model.
+
+        Waits for a checkpoint in flight first.
 
         Returns:
             The restored step, the same on every rank; None on every rank if the directory
@@ -381,13 +504,31 @@ class Checkpointer:
         """
         from embckpt.restore import restore_into
 
+        self._finish_inflight()
         manifest = restore_into(self, step)
         self.head = manifest
+        self._next_step = None
         return None if manifest is None else manifest.step
 
+    def wait(self) -> Manifest | None:
+        """Waits for the checkpoint in flight, if any, and returns its manifest."""
+        inflight = self._inflight
+        return inflight.wait() if inflight is not None else None
+
     def close(self) -> None:
-        """Removes the tracking hooks. Call after the last save."""
-        self.tracker.close()
+        """Finishes the checkpoint in flight (raising its failure if unseen), removes hooks."""
+        try:
+            self._finish_inflight()
+        finally:
+            self._persister.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            self.tracker.close()
+            for handle in self._guards:
+                if isinstance(handle, tuple):
+                    handle[0].step = handle[1]
+                else:
+                    handle.remove()
+            self._guards = []
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -396,12 +537,30 @@ class Checkpointer:
         self.close()
 
 
+def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args: Any) -> None:
+    """Runs ``fn`` and settles ``future`` with its result or its exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # delivered through the future, raised on wait()/next save()
+        future.set_exception(exc)
+
+
+def _as_save_error(
+    error: BaseException | None, step: int, what: str = "writing"
+) -> BaseException | None:
+    if error is None or isinstance(error, SaveError):
+        return error
+    wrapped = SaveError(f"step {step}: {what} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def _parent(head: Manifest, decision: Decision) -> int:
     """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
     return head.base_step if decision.view == "since_full" else head.step
 
 
-def _entry(written: Any, role: str, rank: int) -> FileEntry:
+def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
     return FileEntry(
         path=written.path, bytes=written.bytes, sha256=written.sha256, role=role, rank=rank
     )

@@ -50,6 +50,13 @@ class Collective:
         dist.all_reduce(tensor, group=self.group)
         return tensor.tolist()
 
+    def all_max(self, values: list[float]) -> list[float]:
+        if self.group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
     def check(self, error: BaseException | None, what: str) -> None:
         """Raises on every rank if any rank failed ``what``.
 

@@ -17,6 +17,7 @@ import yaml
 from embckpt.errors import ConfigError
 
 POLICIES = ("full", "one_shot", "incremental")
+PIPELINES = ("full", "persist", "off")
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -37,6 +38,15 @@ class CheckpointConfig:
         max_file_rows: rows per Parquet file; a larger block is split into several files so
             that encoding one file never holds more than this many rows in memory.
         fsync: fsync files and the manifest before a checkpoint counts as committed.
+        pipeline: ``full`` (snapshot copy and persist in the background; the next weight
+            update waits for the copy), ``persist`` (copy on the training thread, persist in the
+            background) or ``off`` (``save`` returns once committed).
+        staging_budget_bytes: the most staging buffers may hold; larger checkpoints are staged
+            and written in pieces.
+        io_threads: threads encoding and writing files in parallel.
+        interval: checkpoint interval (iterations) ``maybe_save`` starts with.
+        adaptive_interval: re-choose the interval from measured costs at every checkpoint.
+        stall_bound: share of training time checkpointing may cost (adaptive interval).
     """
 
     policy: str = "one_shot"
@@ -49,13 +59,29 @@ class CheckpointConfig:
     row_group_rows: int = 65536
     max_file_rows: int = 1 << 20
     fsync: bool = True
+    pipeline: str = "full"
+    staging_budget_bytes: int = 4 << 30
+    io_threads: int = 2
+    interval: int = 100
+    adaptive_interval: bool = True
+    stall_bound: float = 0.02
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is not one of {POLICIES}")
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
-        for name in ("row_group_rows", "max_file_rows"):
+        if self.pipeline not in PIPELINES:
+            raise ConfigError(f"pipeline {self.pipeline!r} is not one of {PIPELINES}")
+        if not 0 < self.stall_bound < 1:
+            raise ConfigError(f"stall_bound must be in (0, 1), got {self.stall_bound}")
+        for name in (
+            "row_group_rows",
+            "max_file_rows",
+            "staging_budget_bytes",
+            "io_threads",
+            "interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

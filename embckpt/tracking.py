@@ -62,7 +62,7 @@ class RowTracker:
         # block key -> (module index, first bit, rows)
         self._slices: dict[str, tuple[int, int, int]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        for batched in _batched_embedding_modules(model):
+        for batched in batched_embedding_modules(model):
             self._install(batched, by_block)
         missing = {s.key for s in by_block.values()} - set(self._slices)
         if missing:
@@ -208,7 +208,7 @@ class RowTracker:
         self._hooks.clear()
 
 
-def _batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
+def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
     """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
     collections. Sharded collections hide their lookups from ``named_modules``, so this walks
     their ``_lookups`` explicitly."""

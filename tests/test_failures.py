@@ -75,6 +75,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     target = sorted(glob.glob(f"{root}/a/step_000000000015/tables/t_tw/*.parquet"))[0]
     original = open(target, "rb").read()
     out["damaged_file"] = target
+    dist.barrier()  # every rank holds the original bytes before rank 0 damages the file
     _on_rank0(rank, lambda: open(target, "wb").write(original[: len(original) // 2]))
     with Checkpointer(fresh, f"{root}/a", optimizer=fresh_opt, config=one_shot) as other:
         before = tm.snapshot_state(fresh, fresh_opt, rank)

@@ -1,0 +1,141 @@
+"""Snapshots: which rows a checkpoint writes, and their copy into staging buffers.
+
+A checkpoint's rows are cut into *units*: up to ``max_file_rows`` rows of one block, one Parquet
+file each. Units are grouped into *pieces* that fit the staging budget; a piece is copied into
+the staging arena (the snapshot proper), then encoded and written (the persist). Copies read the
+live weights and optimizer state, so they must finish before the next weight update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from embckpt.sharding import TableShard
+from embckpt.staging import StagingArena
+
+_ALIGN_SLACK = 64  # bytes the arena may pad each staged tensor with
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows ``local_rows`` of one block, written as file ``part`` of that block."""
+
+    shard: TableShard
+    part: int
+    local_rows: torch.Tensor  # int64, on the model's device
+    contiguous: bool  # local_rows is a range: copy by slicing
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.local_rows.numel())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The live tensors this unit copies rows of: weights, then optimizer states."""
+        yield "weight", self.shard.weight
+        for name, tensor in self.shard.row_states.items():
+            yield f"row:{name}", tensor
+        for name, tensor in self.shard.elem_states.items():
+            yield f"elem:{name}", tensor
+
+    def staged_bytes(self) -> int:
+        return sum(
+            StagingArena.nbytes((self.num_rows, *t.shape[1:]), t.dtype) for _, t in self.tensors()
+        )
+
+
+@dataclass
+class StagedUnit:
+    """A unit's rows copied out of the model: safe to encode while training goes on."""
+
+    unit: Unit
+    local_rows: torch.Tensor  # int64, CPU
+    weights: torch.Tensor
+    row_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def plan_units(
+    shards_rows: list[tuple[TableShard, torch.Tensor, bool]], max_rows: int, budget_bytes: int
+) -> list[Unit]:
+    """Cuts each block's selected rows into units of at most ``max_rows`` rows, each small
+    enough to stage within ``budget_bytes``."""
+    units = []
+    for shard, rows, contiguous in shards_rows:
+        probe = Unit(shard, 0, rows[:1], contiguous)
+        tensors = len(list(probe.tensors()))
+        per_row = sum(t[0].numel() * t.element_size() for _, t in probe.tensors())
+        fitting = (budget_bytes - tensors * _ALIGN_SLACK) // max(per_row, 1)
+        if fitting < 1:
+            raise ValueError(
+                f"staging budget of {budget_bytes} bytes cannot hold one row of {shard.table}"
+            )
+        chunk = int(min(max_rows, fitting))
+        for part, lo in enumerate(range(0, int(rows.numel()), chunk)):
+            units.append(Unit(shard, part, rows[lo : lo + chunk], contiguous))
+    return units
+
+
+def plan_pieces(units: list[Unit], budget_bytes: int) -> list[list[Unit]]:
+    """Groups units, in order, into pieces whose staged bytes fit the budget."""
+    pieces: list[list[Unit]] = []
+    current: list[Unit] = []
+    used = 0
+    for unit in units:
+        size = unit.staged_bytes()
+        if current and used + size > budget_bytes:
+            pieces.append(current)
+            current, used = [], 0
+        current.append(unit)
+        used += size
+    if current or not pieces:
+        pieces.append(current)
+    return pieces
+
+
+@torch.no_grad()
+def stage(piece: list[Unit], arena: StagingArena, stream: Any | None = None) -> list[StagedUnit]:
+    """Copies a piece's rows into the arena; ``stream`` is a side stream for GPU models, used
+    when the arena is pinned host memory so copies do not block the training stream."""
+    arena.reserve(sum(unit.staged_bytes() for unit in piece))
+    if stream is not None and arena.device.type == "cpu":
+        stream.wait_stream(torch.cuda.current_stream())
+    else:
+        stream = None
+    staged = []
+    for unit in piece:
+        copies: dict[str, torch.Tensor] = {}
+        for name, live in unit.tensors():
+            out = arena.take((unit.num_rows, *live.shape[1:]), live.dtype)
+            _copy_rows(live, unit, out, stream)
+            copies[name] = out
+        staged.append(
+            StagedUnit(
+                unit=unit,
+                local_rows=unit.local_rows.cpu(),
+                weights=copies.pop("weight"),
+                row_states={k[4:]: v for k, v in copies.items() if k.startswith("row:")},
+                elem_states={k[5:]: v for k, v in copies.items() if k.startswith("elem:")},
+            )
+        )
+    return staged
+
+
+def _copy_rows(live: torch.Tensor, unit: Unit, out: torch.Tensor, stream: Any | None) -> None:
+    source: torch.Tensor
+    if unit.contiguous and unit.num_rows:
+        lo = int(unit.local_rows[0])
+        source = live[lo : lo + unit.num_rows]
+    elif out.device == live.device:
+        torch.index_select(live, 0, unit.local_rows, out=out)
+        return
+    else:
+        source = live.index_select(0, unit.local_rows)
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            out.copy_(source, non_blocking=True)
+    else:
+        out.copy_(source)
