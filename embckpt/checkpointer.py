@@ -23,32 +23,30 @@ Pipeline of one ``save(step)`` (every rank calls it together):
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from embckpt import dense
 from embckpt.codecs import Codec, codec_for, make_codec
-from embckpt.codecs.base import dtype_name
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import SaveError
+from embckpt.guards import UpdateGuard
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, make_policy
 from embckpt.sharding import ShardedModel, discover
 from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.staging import StagingArena
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
 from embckpt.storage.shardfile import encode_file
-from embckpt.tracking import RowTracker, batched_embedding_modules
+from embckpt.tracking import RowTracker
 
 DENSE_FILE = "dense/model.safetensors"
 
@@ -137,15 +135,13 @@ class Checkpointer:
         self._persister = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._io = concurrent.futures.ThreadPoolExecutor(self.config.io_threads, "embckpt-io")
         self._inflight: PendingCheckpoint | None = None
-        self._copy_done = threading.Event()
-        self._copy_done.set()
-        self._guards = self._install_update_guards()
+        self._guard = UpdateGuard(model, optimizer) if self.config.pipeline == "full" else None
         self.interval = AdaptiveInterval(self.config.interval, self.config.stall_bound)
         self._clock = IterationClock()
         self._blocked_since_tick = 0.0
         self._last_blocked_s = 0.0
         self._next_step: int | None = None
-        self._full_fp32_bytes = self._measure_full_fp32_bytes()
+        self._full_fp32_bytes = int(self.comm.all_sum([self.sharded.local_fp32_bytes()])[0])
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -190,8 +186,8 @@ class Checkpointer:
             if mode == "persist" and snapshot.pending:
                 snapshot.staged = self._stage_piece(snapshot.pending)
                 snapshot.pending = []
-            elif snapshot.pending:
-                self._copy_done.clear()  # weight updates wait until the background copy is done
+            elif snapshot.pending and self._guard is not None:
+                self._guard.hold()  # weight updates wait until the background copy is done
             self._persister.submit(_run_into, future, self._persist, snapshot)
         handle.blocked_s = time.perf_counter() - started
         self._blocked_since_tick += handle.blocked_s
@@ -273,7 +269,7 @@ class Checkpointer:
             taken["since_full"] = self.tracker.take("since_full")
         dense_state = None
         if self.comm.rank == 0:
-            dense_state = _detached_copy(
+            dense_state = dense.detached_copy(
                 dense.dense_state(
                     self.model, self.optimizer, self.sharded.table_keys, self.sharded.scalar_states
                 )
@@ -286,7 +282,7 @@ class Checkpointer:
             started=started,
             taken=taken,
             dense=dense_state,
-            rank=_detached_copy(dense.rank_state(self.statefuls)),
+            rank=dense.detached_copy(dense.rank_state(self.statefuls)),
         )
         units = plan_units(selected, self.config.max_file_rows, self.config.staging_budget_bytes)
         pieces = plan_pieces(units, self.config.staging_budget_bytes)
@@ -309,38 +305,6 @@ class Checkpointer:
             self._side_stream.synchronize()
         return staged
 
-    def _install_update_guards(self) -> list[Any]:
-        """Makes every weight update wait for a background snapshot copy (pipeline="full")."""
-        handles: list[Any] = []
-        if self.config.pipeline != "full":
-            return handles
-
-        def guard_output(_module: nn.Module, _args: Any, output: Any) -> None:
-            if not self._copy_done.is_set() and isinstance(output, torch.Tensor):
-                if output.requires_grad:
-                    output.register_hook(self._wait_copy_hook)
-                else:
-                    self._copy_done.wait()
-
-        for batched in batched_embedding_modules(self.model):
-            handles.append(batched.emb_module.register_forward_hook(guard_output))
-        if self.optimizer is not None:
-            # Optimizer step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which
-            # delegates step() to an inner optimizer: wrap the instance's step instead.
-            original_step = self.optimizer.step
-
-            def guarded_step(*args: Any, **kwargs: Any) -> Any:
-                self._copy_done.wait()
-                return original_step(*args, **kwargs)
-
-            self.optimizer.step = guarded_step
-            handles.append((self.optimizer, original_step))
-        return handles
-
-    def _wait_copy_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        self._copy_done.wait()
-        return grad
-
     def _persist(self, snapshot: _Snapshot) -> Manifest:
         step = snapshot.step
         started = time.perf_counter()
@@ -350,7 +314,7 @@ class Checkpointer:
                 try:
                     snapshot.staged = self._stage_piece(snapshot.pending)
                 finally:
-                    self._copy_done.set()
+                    self._release_guard()
             if error is None:
                 error = self._write_rest(snapshot)
             self.comm.check(_as_save_error(error, step), f"saving step {step}")
@@ -368,12 +332,16 @@ class Checkpointer:
                 _as_save_error(error, step, "writing the manifest"), f"committing step {step}"
             )
         except BaseException:
-            self._copy_done.set()
+            self._release_guard()
             for view, bits in snapshot.taken.items():
                 self.tracker.give_back(view, bits)
             raise
         self.head = manifest.with_stats(persist_seconds=time.perf_counter() - started)
         return self.head
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release()
 
     def _write_rest(self, snapshot: _Snapshot) -> BaseException | None:
         """Writes the last piece's rows and the dense files; returns the error, if any."""
@@ -446,7 +414,7 @@ class Checkpointer:
             parent_step=None if full or head is None else _parent(head, snapshot.decision),
             world_size=self.comm.world_size,
             codec=self.codec.get_config(),
-            tables=self._table_entries(),
+            tables=self.sharded.table_entries(),
             files=tuple(sorted(files, key=lambda f: f.path)),
             history=history,
             stats={
@@ -458,33 +426,6 @@ class Checkpointer:
                 "created_unix": time.time(),
             },
         )
-
-    def _table_entries(self) -> tuple[TableEntry, ...]:
-        tables = []
-        example = {s.table: s for s in self.sharded.shards}
-        for name, (rows, cols) in sorted(self.sharded.table_shapes.items()):
-            shard = example.get(name)
-            tables.append(
-                TableEntry(
-                    name=name,
-                    rows=rows,
-                    cols=cols,
-                    dtype=dtype_name(self.sharded.table_dtypes[name]),
-                    sharding_type=self.sharded.sharding_types[name],
-                    row_states=tuple(sorted(shard.row_states)) if shard else (),
-                    elem_states=tuple(sorted(shard.elem_states)) if shard else (),
-                    shards=tuple(self.sharded.placements[name]),
-                )
-            )
-        return tuple(tables)
-
-    def _measure_full_fp32_bytes(self) -> int:
-        """What one uncompressed fp32 checkpoint of every table and its optimizer state takes."""
-        local = 0.0
-        for shard in self.sharded.writer_shards():
-            per_row = shard.num_cols * (1 + len(shard.elem_states)) + len(shard.row_states)
-            local += 4.0 * shard.num_rows * per_row
-        return int(self.comm.all_sum([local])[0])
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, step: int | None = None) -> int | None:
@@ -523,12 +464,8 @@ class Checkpointer:
             self._persister.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self.tracker.close()
-            for handle in self._guards:
-                if isinstance(handle, tuple):
-                    handle[0].step = handle[1]
-                else:
-                    handle.remove()
-            self._guards = []
+            if self._guard is not None:
+                self._guard.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -564,16 +501,3 @@ def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
     return FileEntry(
         path=written.path, bytes=written.bytes, sha256=written.sha256, role=role, rank=rank
     )
-
-
-def _detached_copy(tree: Any) -> Any:
-    """A copy of every tensor in a state tree, so training may go on changing the originals."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    if isinstance(tree, Mapping):
-        return {k: _detached_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_detached_copy(v) for v in tree)
-    return tree

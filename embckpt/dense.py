@@ -136,3 +136,16 @@ def apply_rank_state(state: Mapping[str, Any], statefuls: Mapping[str, Stateful]
         torch.cuda.set_rng_state_all(rng["cuda"])
     for name, obj in statefuls.items():
         obj.load_state_dict(state["statefuls"][name])
+
+
+def detached_copy(tree: Any) -> Any:
+    """A copy of every tensor in a state tree, so training may go on changing the originals."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, Mapping):
+        return {k: detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(detached_copy(v) for v in tree)
+    return tree

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from embckpt.codecs.base import dtype_name
 from embckpt.errors import ModelMismatchError
+from embckpt.storage.manifest import TableEntry
 
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -95,6 +97,35 @@ class ShardedModel:
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
+
+    def local_fp32_bytes(self) -> float:
+        """Bytes an uncompressed fp32 copy of this rank's written blocks and their optimizer
+        state takes (summed over ranks: a full fp32 checkpoint's size)."""
+        total = 0.0
+        for shard in self.writer_shards():
+            per_row = shard.num_cols * (1 + len(shard.elem_states)) + len(shard.row_states)
+            total += 4.0 * shard.num_rows * per_row
+        return total
+
+    def table_entries(self) -> tuple[TableEntry, ...]:
+        """The manifest's description of every table, as this job shards it."""
+        example = {s.table: s for s in self.shards}
+        entries = []
+        for name, (rows, cols) in sorted(self.table_shapes.items()):
+            shard = example.get(name)
+            entries.append(
+                TableEntry(
+                    name=name,
+                    rows=rows,
+                    cols=cols,
+                    dtype=dtype_name(self.table_dtypes[name]),
+                    sharding_type=self.sharding_types[name],
+                    row_states=tuple(sorted(shard.row_states)) if shard else (),
+                    elem_states=tuple(sorted(shard.elem_states)) if shard else (),
+                    shards=tuple(self.placements[name]),
+                )
+            )
+        return tuple(entries)
 
 
 def discover(model: nn.Module, rank: int = 0) -> ShardedModel:

@@ -1,0 +1,76 @@
+"""Holding weight updates back while a snapshot copy runs in the background.
+
+With full pipelining the rows of a checkpoint are copied while the next iteration already runs.
+Reads are harmless; writes are not. Weights change in exactly two places: the fused embedding
+kernels' backward (weights and their optimizer state, in place) and the dense optimizer's step.
+A forward hook on every embedding kernel attaches a gradient hook to its output that waits for
+the copy (gradient hooks run before the kernel's backward consumes the gradient), and the dense
+optimizer's ``step`` waits too.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from embckpt.tracking import batched_embedding_modules
+
+
+class UpdateGuard:
+    """``hold()`` before a background copy starts, ``release()`` when it ends (or fails).
+
+    Args:
+        model: the DMP model whose embedding kernels are hooked.
+        optimizer: the dense optimizer, or None.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any | None) -> None:
+        self._released = threading.Event()
+        self._released.set()
+        self._hooks = [
+            batched.emb_module.register_forward_hook(self._guard_output)
+            for batched in batched_embedding_modules(model)
+        ]
+        self._optimizer = optimizer
+        self._original_step = None
+        if optimizer is not None:
+            # Step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which delegates
+            # step() to an inner optimizer: wrap this instance's step instead.
+            self._original_step = optimizer.step
+            optimizer.step = self._guarded_step
+
+    def hold(self) -> None:
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _guard_output(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self._released.is_set() or not isinstance(output, torch.Tensor):
+            return
+        if output.requires_grad:
+            output.register_hook(self._wait_then_pass)
+        else:
+            self._released.wait()
+
+    def _wait_then_pass(self, grad: torch.Tensor) -> torch.Tensor:
+        self._released.wait()
+        return grad
+
+    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._released.wait()
+        assert self._original_step is not None
+        return self._original_step(*args, **kwargs)
+
+    def close(self) -> None:
+        """Removes every hook and restores the optimizer's own ``step``."""
+        self.release()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._optimizer is not None and self._original_step is not None:
+            self._optimizer.step = self._original_step
+            self._original_step = None
