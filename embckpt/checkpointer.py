@@ -23,6 +23,8 @@ Pipeline of one ``save(step)`` (every rank calls it together):
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,14 +41,17 @@ from embckpt.config import CheckpointConfig
 from embckpt.errors import SaveError
 from embckpt.guards import UpdateGuard
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
-from embckpt.policy import Decision, Kind, PolicyInput, make_policy
+from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
 from embckpt.sharding import ShardedModel, discover
 from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.staging import StagingArena
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
+from embckpt.storage.retention import apply_retention
 from embckpt.storage.shardfile import encode_file
 from embckpt.tracking import RowTracker
+
+log = logging.getLogger(__name__)
 
 DENSE_FILE = "dense/model.safetensors"
 
@@ -125,6 +130,7 @@ class Checkpointer:
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(self.config)
         self.codec: Codec = codec_for(self.config)
+        self.restores = 0  # restores this job went through, carried from manifest to manifest
         self.state_codec: Codec = make_codec(self.config.optimizer_codec)
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
         device = (
@@ -142,6 +148,10 @@ class Checkpointer:
         self._last_blocked_s = 0.0
         self._next_step: int | None = None
         self._full_fp32_bytes = int(self.comm.all_sum([self.sharded.local_fp32_bytes()])[0])
+        state_names: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        for names in self.comm.all_gather(self.sharded.state_names()):
+            state_names.update(names)
+        self._tables = self.sharded.table_entries(state_names)
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -169,6 +179,9 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self._finish_inflight()
+        if self.config.expected_restores is not None:
+            bits = bits_for_restores(self.config.expected_restores, self.restores)
+            self.codec = codec_for(dataclasses.replace(self.config, bits=bits))
         decision, dirty = self._decide(step)
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
         handle = PendingCheckpoint(step, future)
@@ -326,6 +339,7 @@ class Checkpointer:
                     self.store.write_atomic(
                         self.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
                     )
+                    self._apply_retention(step)
                 except Exception as exc:
                     error = exc
             self.comm.check(
@@ -338,6 +352,15 @@ class Checkpointer:
             raise
         self.head = manifest.with_stats(persist_seconds=time.perf_counter() - started)
         return self.head
+
+    def _apply_retention(self, step: int) -> None:
+        """Rank 0, after the commit and before any rank returns from it: drop what is not kept."""
+        if not self.config.keep_last:
+            return
+        try:
+            apply_retention(self.store, self.config.keep_last)
+        except OSError as exc:  # the checkpoint is committed; clean-up can wait for the next
+            log.warning("retention after step %d failed: %s", step, exc)
 
     def _release_guard(self) -> None:
         if self._guard is not None:
@@ -414,7 +437,7 @@ class Checkpointer:
             parent_step=None if full or head is None else _parent(head, snapshot.decision),
             world_size=self.comm.world_size,
             codec=self.codec.get_config(),
-            tables=self.sharded.table_entries(),
+            tables=self._tables,
             files=tuple(sorted(files, key=lambda f: f.path)),
             history=history,
             stats={
@@ -423,6 +446,7 @@ class Checkpointer:
                 "full_fp32_bytes": self._full_fp32_bytes,
                 "save_seconds": time.perf_counter() - snapshot.started,
                 "reason": snapshot.decision.reason,
+                "restores": self.restores,
                 "created_unix": time.time(),
             },
         )
@@ -448,6 +472,8 @@ class Checkpointer:
         self._finish_inflight()
         manifest = restore_into(self, step)
         self.head = manifest
+        if manifest is not None:
+            self.restores = int(manifest.stats.get("restores", 0)) + 1
         self._next_step = None
         return None if manifest is None else manifest.step
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from embckpt.errors import EmbckptError
+from embckpt.projection import format_projection, parse_duration, parse_size, project
 from embckpt.report import build_report, format_table
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.verify import load_manifests, verify
@@ -65,11 +66,50 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    report = build_report(CheckpointStore(args.directory))
+    if args.project and args.model_bytes is None:
+        print("embckpt report: --project needs --model-bytes (e.g. 2TB)", file=sys.stderr)
+        return 2
+    store = CheckpointStore(args.directory)
+    report = build_report(store, progress=None if args.progress else False)
+    if args.project or args.model_bytes is not None:
+        report["projection"] = project(
+            report, args.model_bytes, args.interval, args.days, args.touch_rate
+        )
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(format_table(report))
+        if "projection" in report:
+            projection = report["projection"]
+            print()
+            print(format_projection(projection) if projection else "projection: nothing measured")
+    # With --json, stdout holds only the JSON.
+    say = sys.stderr if args.json else sys.stdout
+    if args.plot or args.html:
+        from embckpt.plots import render_png
+        from embckpt.report_html import write_html
+
+        png = render_png(report)
+        if args.plot:
+            with open(args.plot, "wb") as out:
+                out.write(png)
+            print(f"wrote {args.plot} ({len(png):,} bytes)", file=say)
+        if args.html:
+            size = write_html(report, png, args.html)
+            print(f"wrote {args.html} ({size:,} bytes, self-contained)", file=say)
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from embckpt.merge import merge
+
+    store = CheckpointStore(args.directory)
+    manifest = merge(store, args.step)
+    sources = manifest.stats.get("merged_from", [args.step])
+    print(
+        f"step {args.step}: self-contained full checkpoint of {len(manifest.files)} files, "
+        f"{manifest.total_bytes:,} bytes (folded from steps {sources})"
+    )
     return 0
 
 
@@ -92,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=None, help="ranks (default 2)")
     demo.set_defaults(func=_demo)
 
+    merge = sub.add_parser("merge", help="fold a checkpoint's chain into one full checkpoint")
+    merge.add_argument("directory")
+    merge.add_argument("--step", type=int, required=True)
+    merge.set_defaults(func=_merge)
+
     inspect = sub.add_parser("inspect", help="list checkpoints, tables and shards")
     inspect.add_argument("directory")
     inspect.set_defaults(func=_inspect)
@@ -104,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="what each checkpoint cost and saved")
     report.add_argument("directory")
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument("--plot", metavar="OUT.png", help="write the figures as a PNG")
+    report.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page")
+    report.add_argument(
+        "--project", action="store_true", help="project costs for a model of --model-bytes"
+    )
+    report.add_argument(
+        "--model-bytes", type=parse_size, default=None, help="full fp32 model size, e.g. 2TB"
+    )
+    report.add_argument(
+        "--interval", type=parse_duration, default=1800.0, help="checkpoint interval (30m)"
+    )
+    report.add_argument("--days", type=float, default=30.0, help="training days (30)")
+    report.add_argument(
+        "--touch-rate", type=float, default=None, help="share of rows a diff writes (measured)"
+    )
+    report.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress line"
+    )
     report.set_defaults(func=_report)
     return parser
 

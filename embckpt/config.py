@@ -16,7 +16,7 @@ import yaml
 
 from embckpt.errors import ConfigError
 
-POLICIES = ("full", "one_shot", "incremental")
+POLICIES = ("full", "one_shot", "incremental", "intermittent")
 PIPELINES = ("full", "persist", "off")
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
@@ -29,6 +29,13 @@ class CheckpointConfig:
         policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full) or
             ``incremental`` (diffs against the previous checkpoint).
         full_every: a full checkpoint every this many checkpoints (0: only the first one).
+        policy_options: settings of the policy (``intermittent``: ``rule`` = ``cost`` or
+            ``checknrun``, ``restore_weight``).
+        expected_restores: if set, the bit width of quantizing codecs follows the restores the
+            job expects (Check-N-Run: 2 bits for 1, 3 for 3, 4 for 20, 8 beyond), widening once
+            more restores happened than planned; overrides ``bits``.
+        keep_last: keep the last N committed checkpoints and everything they need; older ones
+            are deleted after each commit (0 keeps everything).
         codec: registry id of the row codec (``raw`` is lossless fp32).
         bits: code width of quantizing codecs (2, 3, 4 or 8); None for the codec's default.
         entropy: entropy stage over the codes: ``none``, ``huffman`` or ``zstd``.
@@ -51,6 +58,9 @@ class CheckpointConfig:
 
     policy: str = "one_shot"
     full_every: int = 4
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    expected_restores: int | None = None
+    keep_last: int = 0
     codec: str = "raw"
     bits: int | None = None
     entropy: str = "none"
@@ -69,6 +79,10 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is not one of {POLICIES}")
+        if self.keep_last < 0:
+            raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
+        if self.expected_restores is not None and self.expected_restores < 1:
+            raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
         if self.pipeline not in PIPELINES:

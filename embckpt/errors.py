@@ -38,3 +38,8 @@ class SaveError(EmbckptError, RuntimeError):
 
 class RankError(EmbckptError, RuntimeError):
     """Ranks failed a collective checkpoint operation; the message says which and why."""
+
+
+class CodecError(EmbckptError, ValueError):
+    """Rows a codec cannot encode faithfully (NaN, infinity, out of range), or encoded columns
+    that do not match what the codec's metadata describes."""

@@ -97,18 +97,112 @@ class IncrementalPolicy(Policy):
         return Decision(Kind.DIFF, view="since_last", reason="rows changed since the previous")
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """Costs of the next ``horizon`` checkpoints, in units of one full checkpoint."""
+
+    horizon: int
+    keep_write: float
+    full_write: float
+    keep_restore: float
+    full_restore: float
+
+    def keep_cost(self, restore_weight: float) -> float:
+        return self.keep_write + restore_weight * self.keep_restore
+
+    def full_cost(self, restore_weight: float) -> float:
+        return self.full_write + restore_weight * self.full_restore
+
+
+def forecast(history: tuple[HistoryEntry, ...], upcoming: float | None) -> Forecast:
+    """Check-N-Run's forecast, over the next i + 1 checkpoints after i diffs.
+
+    With ``s_j`` the bytes of the j-th diff over the full checkpoint's bytes: keeping on costs at
+    least ``(i + 1) s`` (no future diff is smaller than the latest, ``s = s_i``), a full now costs
+    ``1 + s_1 + ... + s_i`` (the new chain grows back as the old one did). ``upcoming`` (the size
+    the next diff would have, known from the tracker before writing it) replaces ``s_i`` when
+    given. A restore of a one-shot chain reads the full plus the latest diff, so restore reads
+    are ``(i + 1)(1 + s)`` when keeping on and ``(i + 1) + s_1 + ... + s_i`` after a full.
+    """
+    full_bytes = max(history[0].bytes, 1)
+    sizes = [entry.bytes / full_bytes for entry in history[1:]]
+    latest = sizes[-1] if upcoming is None else upcoming
+    horizon = len(sizes) + 1
+    grown_back = sum(sizes)
+    return Forecast(
+        horizon=horizon,
+        keep_write=horizon * latest,
+        full_write=1.0 + grown_back,
+        keep_restore=horizon * (1.0 + latest),
+        full_restore=horizon + grown_back,
+    )
+
+
+class IntermittentPolicy(Policy):
+    """One-shot diffs, plus a new full checkpoint whenever the forecast says it is cheaper.
+
+    ``rule="checknrun"`` is Check-N-Run's rule as published: full when ``F <= I`` with
+    ``F = 1 + S_1 + ... + S_i`` and ``I = (i + 1) S_i``. ``rule="cost"`` (the default) improves
+    it twice: it forecasts with the size the next diff will actually have (the tracker knows it
+    before anything is written) instead of the last one, and it adds ``restore_weight`` times the
+    bytes restores would read (a longer-grown diff makes every restore slower; the weight is the
+    expected restores per checkpoint times the relative cost of a byte read at restore).
+    """
+
+    name = "intermittent"
+
+    def __init__(
+        self, full_every: int = 0, rule: str = "cost", restore_weight: float = 0.05
+    ) -> None:
+        super().__init__(full_every)
+        if rule not in ("cost", "checknrun"):
+            raise ConfigError(f"intermittent rule {rule!r} is not 'cost' or 'checknrun'")
+        self.rule = rule
+        self.restore_weight = restore_weight if rule == "cost" else 0.0
+
+    def _decide_diff(self, stats: PolicyInput) -> Decision:
+        if len(stats.history) < 2:
+            return Decision(Kind.DIFF, view="since_full", reason="first diff after a full")
+        upcoming = None
+        last = stats.history[-1]
+        if self.rule == "cost" and last.dirty_fraction > 0:
+            # Bytes per dirty fraction of the latest diff, times the fraction now dirty.
+            full_bytes = max(stats.history[0].bytes, 1)
+            upcoming = (last.bytes / full_bytes) * stats.dirty_since_full / last.dirty_fraction
+        f = forecast(stats.history, upcoming)
+        keep, full = f.keep_cost(self.restore_weight), f.full_cost(self.restore_weight)
+        detail = f"keep {keep:.3f} vs full {full:.3f} over {f.horizon} checkpoints"
+        if full <= keep:
+            return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
+        return Decision(Kind.DIFF, view="since_full", reason=f"predictor: diff ({detail})")
+
+
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullPolicy, OneShotPolicy, IncrementalPolicy)
+    cls.name: cls for cls in (FullPolicy, OneShotPolicy, IncrementalPolicy, IntermittentPolicy)
 }
 
 
 def make_policy(config: CheckpointConfig) -> Policy:
-    """The policy ``config.policy`` names.
+    """The policy ``config.policy`` names, with ``config.policy_options``.
 
     Raises:
-        ConfigError: no such policy.
+        ConfigError: no such policy, or options it does not take.
     """
+    cls = POLICIES.get(config.policy)
+    if cls is None:
+        raise ConfigError(f"unknown policy {config.policy!r}; known: {sorted(POLICIES)}")
     try:
-        return POLICIES[config.policy](full_every=config.full_every)
-    except KeyError:
-        raise ConfigError(f"unknown policy {config.policy!r}; known: {sorted(POLICIES)}") from None
+        return cls(full_every=config.full_every, **dict(config.policy_options))
+    except TypeError as exc:
+        raise ConfigError(f"policy {config.policy}: bad policy_options: {exc}") from None
+
+
+BIT_TIERS = ((1, 2), (3, 3), (20, 4))
+
+
+def bits_for_restores(expected_restores: int, restores_done: int = 0) -> int:
+    """Check-N-Run's bit width for a number of restores: 2 bits for 1, 3 for up to 3, 4 for up
+    to 20, 8 beyond. Once more restores happened than planned, the plan is the restores done
+    plus one more, so codes widen as failures accumulate."""
+    planned = max(expected_restores, restores_done + 1)
+    return next((bits for limit, bits in BIT_TIERS if planned <= limit), 8)

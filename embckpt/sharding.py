@@ -14,7 +14,7 @@ belongs to the dense optimizer, not to the fused one.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -107,12 +107,25 @@ class ShardedModel:
             total += 4.0 * shard.num_rows * per_row
         return total
 
-    def table_entries(self) -> tuple[TableEntry, ...]:
-        """The manifest's description of every table, as this job shards it."""
-        example = {s.table: s for s in self.shards}
+    def state_names(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Table -> (row-wise, element-wise) optimizer state names, of the blocks held here."""
+        return {
+            s.table: (tuple(sorted(s.row_states)), tuple(sorted(s.elem_states)))
+            for s in self.shards
+        }
+
+    def table_entries(
+        self, state_names: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
+    ) -> tuple[TableEntry, ...]:
+        """The manifest's description of every table, as this job shards it.
+
+        Args:
+            state_names: :meth:`state_names` merged over all ranks (a rank only sees the
+                optimizer state of the blocks it holds).
+        """
         entries = []
         for name, (rows, cols) in sorted(self.table_shapes.items()):
-            shard = example.get(name)
+            row_states, elem_states = state_names.get(name, ((), ()))
             entries.append(
                 TableEntry(
                     name=name,
@@ -120,8 +133,8 @@ class ShardedModel:
                     cols=cols,
                     dtype=dtype_name(self.table_dtypes[name]),
                     sharding_type=self.sharding_types[name],
-                    row_states=tuple(sorted(shard.row_states)) if shard else (),
-                    elem_states=tuple(sorted(shard.elem_states)) if shard else (),
+                    row_states=row_states,
+                    elem_states=elem_states,
                     shards=tuple(self.placements[name]),
                 )
             )

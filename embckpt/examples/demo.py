@@ -19,11 +19,14 @@ import numpy as np
 
 from embckpt.config import DemoConfig, load_yaml
 from embckpt.examples.launcher import RankFailed, rank_device, run_ranks
+from embckpt.plots import render_png
 from embckpt.report import build_report, format_table
+from embckpt.report_html import write_html
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.verify import verify
 
 HOLDOUT_FRACTION = 0.1
+REPORT_FILES = ("report.png", "report.html")  # written next to the checkpoints
 
 
 def load_dataset(cfg: DemoConfig) -> Any:
@@ -80,10 +83,13 @@ def train_worker(
 
 
 def _prepare_out(out: Path) -> None:
-    """Empties an earlier demo's checkpoints; refuses a folder that holds anything else."""
+    """Empties an earlier demo's checkpoints and report; refuses a folder holding anything else."""
     if not out.exists():
         return
-    foreign = [p.name for p in out.iterdir() if not p.name.startswith("step_")]
+    ours = set(REPORT_FILES)
+    foreign = [
+        p.name for p in out.iterdir() if not p.name.startswith("step_") and p.name not in ours
+    ]
     if foreign:
         raise SystemExit(
             f"{out} holds files that are not demo checkpoints ({foreign[:3]}): "
@@ -132,7 +138,12 @@ def run_demo(
         f"log loss {first['logloss']:.4f}"
     )
     print()
-    print(format_table(build_report(store)))
+    summary = build_report(store, progress=False)
+    print(format_table(summary))
+    png = render_png(summary)
+    (out_path / REPORT_FILES[0]).write_bytes(png)
+    write_html(summary, png, out_path / REPORT_FILES[1])
+    print(f"figures: {out_path / REPORT_FILES[0]}, page: {out_path / REPORT_FILES[1]}")
     report = verify(store)
     print(
         f"verify: {'OK' if report.ok else 'FAILED'} ({len(report.checked)} checkpoints, "

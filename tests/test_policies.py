@@ -1,0 +1,174 @@
+"""The intermittent predictor on hand-made histories, bits from expected restores, retention
+that never deletes what a kept checkpoint needs, and merged checkpoints that restore exactly."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import pytest
+import toy_model as tm
+
+from embckpt.config import CheckpointConfig
+from embckpt.errors import ConfigError
+from embckpt.examples.launcher import run_ranks
+from embckpt.policy import IntermittentPolicy, Kind, PolicyInput, bits_for_restores, make_policy
+from embckpt.storage.manifest import HistoryEntry, Manifest
+from embckpt.storage.retention import needed_steps
+
+
+def _history(diff_sizes: list[float], dirty: list[float] | None = None):
+    full = HistoryEntry(step=0, kind="full", bytes=1000, dirty_fraction=1.0)
+    dirty = dirty or diff_sizes
+    diffs = [
+        HistoryEntry(step=10 * (i + 1), kind="diff", bytes=int(1000 * s), dirty_fraction=d)
+        for i, (s, d) in enumerate(zip(diff_sizes, dirty, strict=True))
+    ]
+    return (full, *diffs)
+
+
+def _decide(policy, sizes: list[float], dirty_now: float) -> Kind:
+    stats = PolicyInput(
+        step=99, dirty_since_last=0.1, dirty_since_full=dirty_now, history=_history(sizes)
+    )
+    return policy.decide(stats).kind
+
+
+def test_checknrun_rule_takes_a_full_when_f_le_i() -> None:
+    rule = IntermittentPolicy(rule="checknrun")
+    # i=3, S=(.1,.2,.3): F = 1.6 > I = 4 * .3 = 1.2: keep diffing.
+    assert _decide(rule, [0.1, 0.2, 0.3], dirty_now=0.9) is Kind.DIFF
+    # i=4, S=(.1,.2,.3,.4): F = 2.0 <= I = 5 * .4 = 2.0: a full is cheaper.
+    assert _decide(rule, [0.1, 0.2, 0.3, 0.4], dirty_now=0.9) is Kind.FULL
+    # The published rule ignores what the tracker already knows about the next diff.
+    assert _decide(rule, [0.1, 0.2, 0.3], dirty_now=0.95) is Kind.DIFF
+
+
+def test_cost_rule_looks_ahead_and_weighs_restores() -> None:
+    writes_only = IntermittentPolicy(rule="cost", restore_weight=0.0)
+    # The tracker says the next diff will be 0.45 of the model: I = 4 * .45 = 1.8 > F = 1.6.
+    assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.45) is Kind.FULL
+    # A next diff of .35 keeps the chain going (I = 1.4 < 1.6) ...
+    assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.DIFF
+    # ... unless restores matter: keep reads 4 * 1.35 = 5.4, full 4 + .6 = 4.6 per restore.
+    restores_matter = IntermittentPolicy(rule="cost", restore_weight=0.5)
+    assert _decide(restores_matter, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.FULL
+
+
+def test_intermittent_starts_with_a_full_then_a_diff() -> None:
+    policy = IntermittentPolicy()
+    assert policy.decide(PolicyInput(1, 1.0, 1.0, ())).kind is Kind.FULL
+    assert _decide(policy, [], dirty_now=0.2) is Kind.DIFF
+
+
+def test_policy_options_are_checked() -> None:
+    config = CheckpointConfig(policy="intermittent", policy_options={"rule": "checknrun"})
+    assert make_policy(config).rule == "checknrun"
+    with pytest.raises(ConfigError, match="bad policy_options"):
+        make_policy(CheckpointConfig(policy="one_shot", policy_options={"rule": "cost"}))
+    with pytest.raises(ConfigError, match="rule"):
+        make_policy(CheckpointConfig(policy="intermittent", policy_options={"rule": "magic"}))
+
+
+@pytest.mark.parametrize(
+    ("expected", "done", "bits"),
+    [(1, 0, 2), (3, 0, 3), (3, 2, 3), (20, 0, 4), (21, 0, 8), (1, 1, 3), (3, 3, 4), (20, 20, 8)],
+)
+def test_bits_follow_expected_restores_and_widen_after_more_failures(expected, done, bits) -> None:
+    assert bits_for_restores(expected, done) == bits
+
+
+def _manifest(step: int, parent: int | None, base: int) -> Manifest:
+    return Manifest(
+        step=step,
+        kind="full" if parent is None else "diff",
+        policy="x",
+        base_step=base,
+        parent_step=parent,
+        world_size=1,
+        codec={},
+        tables=(),
+        files=(),
+    )
+
+
+def test_retention_keeps_every_link_a_kept_checkpoint_needs() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        manifests: dict[int, Manifest] = {}
+        base, previous = None, None
+        for step in range(1, rng.randint(2, 30)):
+            kind = rng.choice(["full", "one_shot", "incremental"]) if base else "full"
+            if kind == "full":
+                manifests[step] = _manifest(step, None, step)
+                base = step
+            else:
+                parent = base if kind == "one_shot" else previous
+                manifests[step] = _manifest(step, parent, base)
+            previous = step
+        keep_last = rng.randint(1, 4)
+        kept = needed_steps(manifests, sorted(manifests)[-keep_last:])
+        for step in kept:
+            parent = manifests[step].parent_step
+            assert parent is None or parent in kept
+
+
+def _retention_and_merge(rank: int, world_size: int, root: str) -> dict:
+    from embckpt import Checkpointer
+    from embckpt.merge import merge
+    from embckpt.storage.verify import verify
+
+    out: dict = {}
+    # Retention: one-shot chains with a full every 3, keep the last 2 checkpoints.
+    config = CheckpointConfig(policy="one_shot", full_every=3, keep_last=2)
+    model, opt = tm.build(world_size, seed=0)
+    with Checkpointer(model, f"{root}/kept", optimizer=opt, config=config) as ckpt:
+        for step in range(1, 15):
+            tm.train_step(model, opt, step, rank, hot=100)
+            if step % 2 == 0:
+                ckpt.save(step).wait()
+        expected = tm.snapshot_state(model, opt, rank)
+        out["committed"] = ckpt.store.committed_steps()
+        out["verify_ok"] = verify(ckpt.store).ok
+    fresh, fresh_opt = tm.build(world_size, seed=1)
+    with Checkpointer(fresh, f"{root}/kept", optimizer=fresh_opt, config=config) as ckpt:
+        out["restored"] = ckpt.restore()
+    out["kept_diff"] = tm.differences(expected, tm.snapshot_state(fresh, fresh_opt, rank))
+
+    # Merge: an incremental chain folded into one full checkpoint restores the same state.
+    config = CheckpointConfig(policy="incremental", full_every=0)
+    with Checkpointer(model, f"{root}/chain", optimizer=opt, config=config) as ckpt:
+        for step in range(15, 21):
+            tm.train_step(model, opt, step, rank, hot=100)
+            ckpt.save(step).wait()
+    chain_state = tm.snapshot_state(model, opt, rank)
+    import torch.distributed as dist
+
+    if rank == 0:
+        merged = merge(ckpt.store, 19)
+        out["merged_kind"] = merged.kind
+        out["merged_from"] = merged.stats["merged_from"]
+    dist.barrier()
+    fresh, fresh_opt = tm.build(world_size, seed=2)
+    with Checkpointer(fresh, f"{root}/chain", optimizer=fresh_opt, config=config) as ckpt:
+        out["after_merge"] = ckpt.restore(19)
+        at_19 = tm.snapshot_state(fresh, fresh_opt, rank)
+        out["latest"] = ckpt.restore()  # step 20's chain now ends at the merged step 19
+    out["merge_vs_20"] = tm.differences(chain_state, tm.snapshot_state(fresh, fresh_opt, rank))
+    out["merged_verify_ok"] = verify(ckpt.store).ok
+    out["n_diff_19_vs_20"] = len(tm.differences(at_19, chain_state))
+    return out
+
+
+def test_retention_and_merge_on_two_ranks() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_retention_and_merge, 2, root)
+    for rank, out in enumerate(results):
+        where = f"rank {rank}"
+        # Checkpoints 2..14; fulls at 2, 8, 14; keep the last 2 (12, 14) and their chain (8).
+        assert out["committed"] == [8, 12, 14], where
+        assert out["verify_ok"] and out["restored"] == 14 and out["kept_diff"] == [], where
+        assert out["after_merge"] == 19 and out["latest"] == 20, where
+        assert out["merge_vs_20"] == [] and out["merged_verify_ok"], where
+        assert out["n_diff_19_vs_20"] > 0, where  # 19 and 20 differ: the check can fail
+    assert results[0]["merged_kind"] == "full" and results[0]["merged_from"] == [15, 16, 17, 18, 19]
