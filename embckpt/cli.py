@@ -117,7 +117,12 @@ def _demo(args: argparse.Namespace) -> int:
     from embckpt.examples.demo import run_demo
 
     return run_demo(
-        config_path=args.config, out=args.out, steps=args.steps, world_size=args.world_size
+        config_path=args.config,
+        out=args.out,
+        steps=args.steps,
+        world_size=args.world_size,
+        kill_at=[int(s) for s in args.kill_at.split(",")] if args.kill_at else None,
+        failures=args.failures,
     )
 
 
@@ -130,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_out", help="checkpoint directory")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
     demo.add_argument("--world-size", type=int, default=None, help="ranks (default 2)")
+    demo.add_argument("--kill-at", default=None, help="comma-separated steps to kill workers at")
+    demo.add_argument("--failures", type=int, default=None, help="kill at N random steps")
     demo.set_defaults(func=_demo)
 
     merge = sub.add_parser("merge", help="fold a checkpoint's chain into one full checkpoint")

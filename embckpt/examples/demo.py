@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import time
@@ -98,8 +99,28 @@ def _prepare_out(out: Path) -> None:
     shutil.rmtree(out)
 
 
+def kill_steps(cfg: DemoConfig, kill_at: list[int] | None, failures: int | None) -> list[int]:
+    """Where the workers die: the given steps, ``failures`` random steps between checkpoints,
+    or by default once, halfway between the last two checkpoints before two thirds of the run."""
+    every = cfg.checkpoint_every
+    if kill_at:
+        return sorted(set(kill_at))
+    candidates = [s for s in range(every + 1, cfg.steps) if s % every]
+    if failures:
+        rng = random.Random(cfg.workload.seed)
+        return sorted(rng.sample(candidates, min(failures, len(candidates))))
+    checkpoints = list(range(every, cfg.steps + 1, every))
+    before = [c for c in checkpoints if c <= cfg.steps * 2 // 3] or checkpoints[:1]
+    return [before[-1] + max(1, every // 2)]
+
+
 def run_demo(
-    config_path: str | None, out: str, steps: int | None = None, world_size: int | None = None
+    config_path: str | None,
+    out: str,
+    steps: int | None = None,
+    world_size: int | None = None,
+    kill_at: list[int] | None = None,
+    failures: int | None = None,
 ) -> int:
     """Runs the whole demo and prints its report; returns the process exit code."""
     cfg = load_yaml(config_path, DemoConfig) if config_path else DemoConfig()
@@ -107,12 +128,9 @@ def run_demo(
         cfg, steps=steps or cfg.steps, world_size=world_size or cfg.world_size
     )
     every = cfg.checkpoint_every
-    checkpoints = list(range(every, cfg.steps + 1, every))
-    if len(checkpoints) < 2:
+    if cfg.steps < 2 * every:
         raise SystemExit(f"--steps {cfg.steps} leaves fewer than 2 checkpoints (every {every})")
-    # Die halfway between the last two checkpoints before two thirds of the run.
-    before = [c for c in checkpoints if c <= cfg.steps * 2 // 3] or checkpoints[:1]
-    kill_at = before[-1] + max(1, every // 2)
+    kills = kill_steps(cfg, kill_at, failures)
     out_path = Path(out)
     _prepare_out(out_path)
     print(
@@ -120,19 +138,24 @@ def run_demo(
         f"({cfg.checkpoint.policy}, full every {cfg.checkpoint.full_every}, codec "
         f"{cfg.checkpoint.codec}), checkpoints in {out_path}"
     )
-    print(f"phase 1: training, workers will be killed (SIGKILL) at step {kill_at}")
-    try:
-        run_ranks(train_worker, cfg.world_size, cfg, str(out_path), kill_at)
-        print("phase 1: workers were not killed (kill step beyond the run)")
-    except RankFailed as exc:
-        print(f"phase 1: workers died as planned ({str(exc).splitlines()[0]})")
+    print(f"workers will be killed (SIGKILL) at steps {kills}, restarted and restored each time")
     store = CheckpointStore(out_path)
-    print(f"committed checkpoints after the kill: {store.committed_steps()}")
-    print("phase 2: new workers restore the latest checkpoint and finish")
-    results = run_ranks(train_worker, cfg.world_size, cfg, str(out_path), None)
+    results: list[dict] = []
+    for phase, kill in enumerate([*kills, None], start=1):
+        try:
+            results = run_ranks(train_worker, cfg.world_size, cfg, str(out_path), kill)
+        except RankFailed as exc:
+            print(
+                f"phase {phase}: workers died at step {kill} ({str(exc).splitlines()[0]}); "
+                f"committed checkpoints: {store.committed_steps()}"
+            )
+            continue
+        if kill is not None:
+            print(f"phase {phase}: the run ended before step {kill}")
+            break
     first = results[0]
     print(
-        f"restored step {first['restored_from']} on every rank: "
+        f"last phase restored step {first['restored_from']} on every rank: "
         f"{[r['restored_from'] for r in results]}; ran {first['steps_run']} more steps "
         f"in {first['seconds']:.1f}s; holdout AUC {first['auc']:.4f}, "
         f"log loss {first['logloss']:.4f}"
