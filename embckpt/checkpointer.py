@@ -46,6 +46,7 @@ from embckpt.sharding import ShardedModel, discover
 from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.staging import StagingArena
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
+from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
 from embckpt.storage.retention import apply_retention
 from embckpt.storage.shardfile import encode_file
@@ -123,9 +124,19 @@ class Checkpointer:
         self.statefuls = dict(statefuls or {})
         self.comm = Collective()
         self.store = CheckpointStore(directory, fsync=self.config.fsync)
+        self._lock = DirectoryLock(self.store.fs, self.store.root, self.store.is_local)
+        error: BaseException | None = None
         if self.comm.rank == 0:
-            self.store.create_root()
-        self.comm.broadcast(None)  # the root exists before any rank lists it
+            try:
+                self.store.create_root()
+                if self._lock.acquire():
+                    cleaned = self.store.clean_leftovers()
+                    if cleaned:
+                        log.info("removed leftovers of interrupted saves: steps %s", cleaned)
+            except Exception as exc:  # raised on every rank below
+                error = exc
+        # The root exists and is ours before any rank lists it.
+        self.comm.check(error, f"opening {self.store.uri}")
         self.sharded: ShardedModel = discover(model, self.comm.rank)
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(self.config)
@@ -492,6 +503,7 @@ class Checkpointer:
             self.tracker.close()
             if self._guard is not None:
                 self._guard.close()
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

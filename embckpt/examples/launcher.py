@@ -104,7 +104,7 @@ def run_ranks(
                 failures.append(f"rank {rank}:\n{value}")
     finally:
         for proc in procs:
-            proc.join(timeout=5 if failures else 60)
+            proc.join(timeout=1 if failures else 60)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

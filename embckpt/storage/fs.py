@@ -87,6 +87,21 @@ class CheckpointStore:
         info = self.fs.get_file_info(self.step_path(step, MANIFEST_NAME))
         return info.type == pafs.FileType.File
 
+    def clean_leftovers(self) -> list[int]:
+        """Deletes step folders without a manifest (interrupted saves) and temporary files of
+        interrupted writes in committed ones. Call only while holding the directory's lock."""
+        leftovers = self.leftover_steps()
+        for step in leftovers:
+            self.remove_step(step)
+        if self.is_local:
+            for step in self.committed_steps():
+                for info in self.fs.get_file_info(
+                    pafs.FileSelector(self.step_path(step), recursive=True)
+                ):
+                    if ".tmp-" in info.base_name and info.type == pafs.FileType.File:
+                        self.fs.delete_file(info.path)
+        return leftovers
+
     def remove_step(self, step: int) -> None:
         """Deletes a step folder; the manifest goes first so the folder stops being a checkpoint."""
         manifest = self.step_path(step, MANIFEST_NAME)

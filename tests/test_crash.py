@@ -1,0 +1,168 @@
+"""Crash consistency: SIGKILL a rank at chosen and random points of a save, many times; the
+latest committed checkpoint always restores the exact state of its step and verifies, no
+partial checkpoint is ever listed, and the next start cleans up the debris."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import tempfile
+
+import pytest
+import toy_model as tm
+
+from embckpt.examples.launcher import RankFailed, run_ranks
+from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+
+SAVE_EVERY = 3
+STEPS = 18
+POINTS = ("stage", "mid_file", "between_files", "before_manifest", "after_manifest")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(ckpt, point: str, nth: int) -> None:
+    """Makes the nth occurrence of ``point`` kill this process."""
+    count = {"n": 0}
+
+    def hit() -> bool:
+        count["n"] += 1
+        return count["n"] == nth
+
+    store = ckpt.store
+    write_file, write_atomic, stage_piece = store.write_file, store.write_atomic, ckpt._stage_piece
+    if point == "stage":
+
+        def staged(piece):
+            if hit():
+                _die()
+            return stage_piece(piece)
+
+        ckpt._stage_piece = staged
+    elif point == "between_files":
+
+        def after_file(step, relative, data):
+            written = write_file(step, relative, data)
+            if hit():
+                _die()
+            return written
+
+        store.write_file = after_file
+    else:
+
+        def atomic(path, data):
+            is_manifest = path.endswith(MANIFEST_NAME)
+            if point == "mid_file" and not is_manifest and hit():
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(f"{path}.tmp-killed", "wb") as out:
+                    out.write(memoryview(data)[: len(memoryview(data)) // 2])
+                _die()
+            if point == "before_manifest" and is_manifest and hit():
+                _die()
+            write_atomic(path, data)
+            if point == "after_manifest" and is_manifest and hit():
+                _die()
+
+        store.write_atomic = atomic
+
+
+def _train_and_crash(rank: int, world_size: int, root: str, point: str, victim: int, nth: int):
+    from embckpt import CheckpointConfig, Checkpointer
+
+    config = CheckpointConfig(policy="incremental", full_every=3)
+    model, opt = tm.build(world_size, seed=0)
+    ckpt = Checkpointer(model, root, optimizer=opt, config=config)
+    if rank == victim:
+        _arm(ckpt, point, nth)
+    for step in range(1, STEPS + 1):
+        tm.train_step(model, opt, step, rank, hot=100)
+        if step % SAVE_EVERY == 0:
+            ckpt.save(step)
+    ckpt.close()
+
+
+def _restore_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
+    from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.storage.verify import verify
+
+    reference, ref_opt = tm.build(world_size, seed=0)
+    expected = {}
+    for step in range(1, STEPS + 1):
+        tm.train_step(reference, ref_opt, step, rank, hot=100)
+        if step % SAVE_EVERY == 0:
+            expected[step] = tm.snapshot_state(reference, ref_opt, rank)
+    out = []
+    config = CheckpointConfig(policy="incremental", full_every=3)
+    for root in roots:
+        model, opt = tm.build(world_size, seed=11)
+        with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
+            step = ckpt.restore()
+            leftovers_after_start = ckpt.store.leftover_steps()
+        report = verify(CheckpointStore(root))
+        state = tm.snapshot_state(model, opt, rank)
+        out.append(
+            {
+                "step": step,
+                "diff": tm.differences(expected[step], state) if step else None,
+                "verify_ok": report.ok,
+                "leftovers_after_start": leftovers_after_start,
+            }
+        )
+    return out
+
+
+def _trials() -> list[tuple[str, int, int]]:
+    chosen = [
+        ("stage", 1, 2),
+        ("stage", 0, 3),
+        ("mid_file", 1, 8),
+        ("mid_file", 0, 14),
+        ("between_files", 0, 9),
+        ("between_files", 1, 17),
+        ("before_manifest", 0, 2),
+        ("after_manifest", 0, 3),
+    ]
+    rng = random.Random(2026)
+    for _ in range(4):
+        point = rng.choice(POINTS)
+        victim = 0 if "manifest" in point else rng.randint(0, 1)
+        # A rank writes 5-6 files per checkpoint: die in the second to fourth checkpoint.
+        per_save = point in ("stage", "before_manifest", "after_manifest")
+        chosen.append((point, victim, rng.randint(2, 4) if per_save else rng.randint(7, 16)))
+    return chosen
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_anywhere_in_a_save_leaves_the_latest_commit_restorable() -> None:
+    trials = _trials()
+    with tempfile.TemporaryDirectory() as tmp:
+        roots, before = [], []
+        for i, trial in enumerate(trials):
+            point, victim, nth = trial
+            root = f"{tmp}/trial{i}"
+            try:  # the victim dies, its peer loses its connection
+                run_ranks(_train_and_crash, 2, root, point, victim, nth, timeout_s=120)
+                killed = False
+            except RankFailed:
+                killed = True
+            assert killed, f"trial {i} {trial} never reached its kill point"
+            store = CheckpointStore(root)
+            committed = store.committed_steps()
+            assert committed, f"trial {i} {trial}: died before the first commit, proves nothing"
+            before.append((committed, store.leftover_steps()))
+            roots.append(root)
+        results = run_ranks(_restore_each, 2, roots)
+    saw_debris = 0
+    for i, (trial, (committed, leftovers)) in enumerate(zip(trials, before, strict=True)):
+        saw_debris += bool(leftovers)
+        for rank_results in results:
+            r = rank_results[i]
+            where = f"trial {i} {trial}"
+            assert r["step"] == committed[-1], where
+            assert r["diff"] == [], f"{where}: restored state differs from step {r['step']}"
+            assert r["verify_ok"], where
+            assert r["leftovers_after_start"] == [], f"{where}: debris not cleaned on start"
+    assert saw_debris >= 3, "kills never left a half-written checkpoint: the test proves little"
