@@ -126,7 +126,7 @@ def _trials() -> list[tuple[str, int, int]]:
         ("after_manifest", 0, 3),
     ]
     rng = random.Random(2026)
-    for _ in range(4):
+    for _ in range(2):
         point = rng.choice(POINTS)
         victim = 0 if "manifest" in point else rng.randint(0, 1)
         # A rank writes 5-6 files per checkpoint: die in the second to fourth checkpoint.
