@@ -86,6 +86,7 @@ class _Snapshot:
     step: int
     decision: Decision
     dirty_fraction: float
+    touched_fraction: float  # of all rows, touched since the previous checkpoint
     started: float
     taken: dict[str, list[torch.Tensor]]
     dense: dict[str, Any] | None
@@ -303,6 +304,7 @@ class Checkpointer:
             step=step,
             decision=decision,
             dirty_fraction=fraction,
+            touched_fraction=dirty["since_last"],
             started=started,
             taken=taken,
             dense=dense_state,
@@ -454,6 +456,7 @@ class Checkpointer:
             stats={
                 "rows_written": sum(f.rows for f in files if f.role == "rows"),
                 "dirty_fraction": snapshot.dirty_fraction,
+                "touched_fraction": snapshot.touched_fraction,
                 "full_fp32_bytes": self._full_fp32_bytes,
                 "save_seconds": time.perf_counter() - snapshot.started,
                 "reason": snapshot.decision.reason,
