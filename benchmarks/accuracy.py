@@ -7,7 +7,8 @@ checkpoint, restores that checkpoint (the quantized rows replace the live ones; 
 is lossless) and trains on through the same data again. Reports final AUC / log loss and their
 difference to the failure-free run of the same seed, beside the seed-to-seed spread of the
 failure-free runs. The adaptive quantizer runs the whole grid (2, 3, 4, 8 bits x 1, 2, 3, 5
-restores); the other quantizers 2 and 4 bits after 1 and 5 restores. Writes ``benchmarks/results/accuracy.json`` and ``accuracy.png``.
+restores); the other quantizers 2 and 4 bits after 1 and 5 restores.
+Writes ``benchmarks/results/accuracy.json`` and ``accuracy.png``.
 """
 
 from __future__ import annotations
