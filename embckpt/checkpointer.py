@@ -49,7 +49,7 @@ from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
 from embckpt.storage.retention import apply_retention
-from embckpt.storage.shardfile import encode_file
+from embckpt.storage.shardfile import encode_file, index_file
 from embckpt.tracking import RowTracker
 
 log = logging.getLogger(__name__)
@@ -432,6 +432,8 @@ class Checkpointer:
             shard_rows=shard.num_rows,
             shard_cols=shard.num_cols,
             rows=len(global_rows),
+            fqn=shard.fqn,
+            index=index_file(data, written.sha256),
         )
 
     def _manifest(self, snapshot: _Snapshot, files: list[FileEntry]) -> Manifest:

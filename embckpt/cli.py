@@ -1,4 +1,4 @@
-"""``embckpt`` command line: demo | inspect | verify | report.
+"""``embckpt`` command line: demo | inspect | verify | report | merge | restore | export.
 
 Exit codes: 0 success, 1 a check failed (``verify``) or the demo failed, 2 bad usage or input.
 """
@@ -113,6 +113,30 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore(args: argparse.Namespace) -> int:
+    from embckpt.restore import describe_restore
+
+    text, ok = describe_restore(args.directory, args.step)
+    print(text)
+    return 0 if ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from embckpt.export import export_dcp, export_safetensors
+
+    if args.to == "dcp":
+        model = export_dcp(args.directory, args.out, args.step)
+    else:
+        model = export_safetensors(
+            args.directory, args.out, args.step, tables_only=args.tables_only
+        )
+    print(
+        f"exported step {model.step} (chain {', '.join(map(str, model.chain))}): "
+        f"{len(model.tables)} tables, {len(model.dense)} dense tensors -> {args.out} ({args.to})"
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from embckpt.examples.demo import run_demo
 
@@ -175,6 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress", dest="progress", action="store_false", help="no progress line"
     )
     report.set_defaults(func=_report)
+
+    restore = sub.add_parser(
+        "restore", help="show a checkpoint's chain, verify it, and print how to resume a job"
+    )
+    restore.add_argument("directory")
+    restore.add_argument("--step", type=int, default=None, help="default: the latest")
+    restore.set_defaults(func=_restore)
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a DCP directory or a safetensors file"
+    )
+    export.add_argument("directory")
+    export.add_argument("--step", type=int, default=None, help="default: the latest")
+    export.add_argument("--to", choices=("dcp", "safetensors"), required=True)
+    export.add_argument("out", help="the DCP directory or the .safetensors file to write")
+    export.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="safetensors: only the tables, keyed as in an EmbeddingBagCollection",
+    )
+    export.set_defaults(func=_export)
     return parser
 
 

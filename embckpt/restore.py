@@ -1,48 +1,74 @@
-"""Restore: read a checkpoint chain and load it into the live, sharded model.
+"""Restore: read a checkpoint chain and load it into the live, sharded model, whatever world
+size and sharding plan wrote it.
 
 Stages (every rank, together):
 
-1. choose   - rank 0 lists committed steps and broadcasts the one to restore;
-2. chain    - read the manifests from the target back through its parents to the full base,
-              checking each manifest's own checksum;
-3. match    - the model's tables (names, shapes, dtypes) must equal the checkpoint's;
-4. stage    - each rank reads only the files whose row/column block overlaps one of its own
-              blocks, checks size and SHA-256 before parsing, keeps only the overlapping rows
-              (Parquet row-group statistics prune the rest) and decodes them;
-5. agree    - ranks exchange success; any failure raises on every rank before anything is
-              loaded, so a failed restore never leaves a half-loaded model;
-6. apply    - write the staged rows in chain order (later diffs overwrite earlier rows), then
-              the dense state, RNG and stateful objects; rebuild the trackers' since-full view
-              from the rows the chain's diffs changed.
+1. choose  - rank 0 lists committed steps and broadcasts the one to restore;
+2. chain   - read the manifests from the target back through its parents to the full base,
+             each checking its own checksum; a missing link is named with what needs it;
+3. match   - the model's tables (names, shapes, dtypes) must equal the checkpoint's;
+4. stage   - (see :mod:`embckpt.reader`) each rank fetches, with its own threads, only the row
+             groups of the chain's files that overlap its own blocks, and checks every byte
+             it fetched; the dense and per-rank files are read whole and checked. Only the
+             reader's own plan is needed: files are addressed by global rows and columns;
+5. agree   - ranks exchange success; any failure raises on every rank before anything is
+             loaded, so a failed restore never leaves a half-loaded model;
+6. apply   - decode and write the chain in order into this rank's blocks (delta codecs add),
+             then the dense state, RNG and stateful objects; rebuild the trackers'
+             since-full view from the rows the chain's diffs changed.
 
-Because rows are addressed by global row id and column offset, this also restores onto another
-world size or sharding plan.
+Resharding (writer plan -> this plan):
+
+* weights and element-wise optimizer states are addressed by global (row, column): exact;
+* row-wise optimizer states (one value per row per column block, e.g. row-wise Adagrad's
+  momentum) are exact when a block's columns lie inside one writer block; a block that spans
+  several writer blocks gets their mean weighted by column overlap;
+* a table cannot change to or from data-parallel: its optimizer state belongs to the dense
+  optimizer there and to the fused one elsewhere (refused before anything is loaded);
+* the dense state is replicated and always restored. Per-rank state on the same world size
+  is each rank's own; on another world size RNG streams are not restored (they belong to
+  ranks that no longer exist), and each stateful is loaded from writer rank 0 only when every
+  writer rank saved the same state for it and it accepts that state; anything not restored
+  is logged and listed in :attr:`RestoreResult.skipped`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from embckpt import dense
-from embckpt.codecs import codec_from_config
 from embckpt.codecs.base import dtype_name
-from embckpt.errors import ChainIncompleteError, CheckpointCorruptError, ModelMismatchError
-from embckpt.sharding import TableShard
+from embckpt.errors import (
+    ChainIncompleteError,
+    CheckpointCorruptError,
+    EmbckptError,
+    ModelMismatchError,
+)
+from embckpt.reader import (
+    ReadCost,
+    StagedFile,
+    apply_staged,
+    default_threads,
+    plan_reads,
+    release,
+    stage,
+)
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 from embckpt.storage.manifest import Manifest
-from embckpt.storage.shardfile import decode_file
 
 if TYPE_CHECKING:
     from embckpt.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
+PROGRESS_MIN_BYTES = 256 << 20  # a progress bar only for restores reading more than this
 
+
+# -- chain ------------------------------------------------------------------------------------
 def read_manifest(store: CheckpointStore, step: int) -> Manifest:
     """Reads and checks one committed manifest.
 
@@ -63,21 +89,28 @@ def read_chain(store: CheckpointStore, step: int) -> list[Manifest]:
     """The manifests a restore of ``step`` needs, base (full) first.
 
     Raises:
-        ChainIncompleteError: a parent is missing; names its manifest path.
+        ChainIncompleteError: a checkpoint of the chain is not committed; the message names
+            it, the checkpoint that needs it and the steps that are committed.
+        CheckpointCorruptError: a manifest is damaged or the chain does not lead to a full
+            checkpoint.
     """
     chain = [read_manifest(store, step)]
     while chain[-1].parent_step is not None:
-        parent = chain[-1].parent_step
-        if parent in {m.step for m in chain} or parent >= chain[-1].step:
+        child, parent = chain[-1], chain[-1].parent_step
+        if parent in {m.step for m in chain} or parent >= child.step:
             raise CheckpointCorruptError(
-                store.step_path(chain[-1].step, MANIFEST_NAME), f"parent step {parent} is not older"
+                store.step_path(child.step, MANIFEST_NAME), f"parent step {parent} is not older"
             )
         try:
             chain.append(read_manifest(store, parent))
         except ChainIncompleteError as exc:
+            links = " <- ".join(str(s) for s in [child.base_step, parent, *_steps(chain[::-1])])
+            committed = ", ".join(map(str, store.committed_steps())) or "none"
             raise ChainIncompleteError(
                 exc.path,
-                f"needed by step {step} (chain from base {chain[-1].base_step}) but not committed",
+                f"step {parent} is missing (not committed): it is the parent of step "
+                f"{child.step}, and step {step} needs the chain {links} (full base "
+                f"{child.base_step}); committed steps: {committed}",
             ) from None
     if chain[-1].kind != "full":
         raise ChainIncompleteError(
@@ -85,6 +118,10 @@ def read_chain(store: CheckpointStore, step: int) -> list[Manifest]:
             "chain does not start at a full checkpoint",
         )
     return chain[::-1]
+
+
+def _steps(chain: Sequence[Manifest]) -> list[int]:
+    return [m.step for m in chain]
 
 
 def check_model_matches(ckpt: Checkpointer, manifest: Manifest, path: str) -> None:
@@ -109,85 +146,148 @@ def check_model_matches(ckpt: Checkpointer, manifest: Manifest, path: str) -> No
             )
 
 
+# -- dense and per-rank state -------------------------------------------------------------------
 @dataclass
-class _Staged:
-    """Decoded rows of one file for one local block, ready to write."""
+class _SideState:
+    """The non-table part of a restore: what to load, and what will not be."""
 
-    shard: TableShard
-    local_rows: torch.Tensor
-    col_lo: int
-    col_hi: int
-    weights: torch.Tensor
-    row_states: dict[str, torch.Tensor]
-    elem_states: dict[str, torch.Tensor]
-    from_diff: bool
+    dense: dict[str, Any]
+    rank: dict[str, Any] | None = None  # this rank's own file, same world size
+    statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
+    skipped: list[str] = field(default_factory=list)
 
 
-def _stage_rows(ckpt: Checkpointer, chain: list[Manifest]) -> list[_Staged]:
-    staged: list[_Staged] = []
-    for manifest in chain:
-        cache: dict[str, Any] = {}
-        for shard in ckpt.sharded.shards:
-            row_lo, row_hi = shard.row_offset, shard.row_offset + shard.num_rows
-            col_lo, col_hi = shard.col_offset, shard.col_offset + shard.num_cols
-            for entry in manifest.files:
-                if entry.role != "rows" or entry.table != shard.table:
-                    continue
-                if not entry.overlaps(row_lo, row_hi, col_lo, col_hi):
-                    continue
-                if entry.path not in cache:
-                    cache[entry.path] = ckpt.store.read_checked(manifest.step, entry.written)
-                path = ckpt.store.step_path(manifest.step, entry.path)
-                block = decode_file(cache[entry.path], path, row_lo, row_hi)
-                codec = codec_from_config(block.metadata["codec"])
-                state_codec = codec_from_config(block.metadata["state_codec"])
-                weights = codec.decode(block.encoded, entry.shard_cols)
-                # The overlap of the file's columns with this block's, in file coordinates.
-                lo, hi = (
-                    max(col_lo, entry.col_offset),
-                    min(col_hi, entry.col_offset + entry.shard_cols),
-                )
-                a, b = lo - entry.col_offset, hi - entry.col_offset
-                staged.append(
-                    _Staged(
-                        shard=shard,
-                        local_rows=torch.from_numpy(block.rows - row_lo),
-                        col_lo=lo,
-                        col_hi=hi,
-                        weights=weights[:, a:b],
-                        row_states={
-                            n: torch.from_numpy(np.array(v, copy=True))
-                            for n, v in block.row_states.items()
-                        },
-                        elem_states={
-                            n: state_codec.decode(s, entry.shard_cols)[:, a:b]
-                            for n, s in block.elem_states.items()
-                        },
-                        from_diff=manifest.kind == "diff",
-                    )
-                )
-    return staged
+def _read_side_state(ckpt: Checkpointer, head: Manifest, cost: ReadCost) -> _SideState:
+    store, comm = ckpt.store, ckpt.comm
+    manifest_path = store.step_path(head.step, MANIFEST_NAME)
+    dense_entry = next((f for f in head.files if f.role == "dense"), None)
+    if dense_entry is None:
+        raise CheckpointCorruptError(manifest_path, "lists no dense file")
+    raw = store.read_checked(head.step, dense_entry.written)
+    cost.other_bytes += raw.size
+    side = _SideState(dense=dense.decode_tree(raw.to_pybytes()))
+    _check_dense(ckpt, side.dense, store.step_path(head.step, dense_entry.path))
+    rank_files = sorted((f for f in head.files if f.role == "rank"), key=lambda f: f.rank)
+    if head.world_size == comm.world_size:
+        own = next((f for f in rank_files if f.rank == comm.rank), None)
+        if own is None:
+            raise CheckpointCorruptError(manifest_path, f"lists no file of rank {comm.rank}")
+        raw = store.read_checked(head.step, own.written)
+        cost.other_bytes += raw.size
+        side.rank = dense.decode_tree(raw.to_pybytes())
+        return side
+    side.skipped.append(
+        f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
+    )
+    states = []
+    for entry in rank_files:
+        raw = store.read_checked(head.step, entry.written)
+        cost.other_bytes += raw.size
+        states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
+    for name in ckpt.statefuls:
+        saved = [s.get(name) for s in states]
+        if not saved or any(s is None for s in saved):
+            side.skipped.append(f"stateful {name!r}: not in every rank's file of step {head.step}")
+        elif any(dense.encode_tree(s) != dense.encode_tree(saved[0]) for s in saved[1:]):
+            side.skipped.append(
+                f"stateful {name!r}: differs between the {head.world_size} writing ranks"
+            )
+        else:
+            side.statefuls[name] = saved[0]
+    return side
 
 
-@torch.no_grad()
-def _apply(ckpt: Checkpointer, staged: list[_Staged]) -> None:
-    for piece in staged:
-        shard = piece.shard
-        shard.write_rows(piece.local_rows, piece.weights, piece.col_lo, piece.col_hi)
-        for name, values in piece.elem_states.items():
-            if name in shard.elem_states:
-                shard.write_rows(
-                    piece.local_rows, values, piece.col_lo, piece.col_hi, shard.elem_states[name]
-                )
-        for name, values in piece.row_states.items():
-            if name in shard.row_states:
-                target = shard.row_states[name]
-                target.index_copy_(0, piece.local_rows.to(target.device), values.to(target))
+def _check_dense(ckpt: Checkpointer, state: dict[str, Any], path: str) -> None:
+    """Refuses, before anything is loaded, dense state the live model or optimizer would
+    reject half-way through loading it."""
+    live = ckpt.model.state_dict()
+    for key, value in state["model"].items():
+        if key not in live or tuple(live[key].shape) != tuple(value.shape):
+            found = tuple(live[key].shape) if key in live else "missing"
+            raise ModelMismatchError(
+                f"dense entry {key}: checkpoint {path} has shape {tuple(value.shape)}, the "
+                f"model {found}"
+            )
+    saved = state["optimizer"]
+    if ckpt.optimizer is None or saved is None:
+        return
+    have = [len(g["params"]) for g in ckpt.optimizer.state_dict().get("param_groups", [])]
+    want = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if have != want:
+        raise ModelMismatchError(
+            f"dense optimizer: checkpoint {path} has parameter groups of {want} parameters, "
+            f"the model's optimizer {have} (did a table change to or from data-parallel?)"
+        )
 
 
-def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
-    """Restores checkpoint ``step`` (latest if None) into ``ckpt``'s model; see module doc."""
+def _apply_side_state(ckpt: Checkpointer, side: _SideState) -> None:
+    state = dict(side.dense)
+    # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
+    state["fused_scalars"] = {
+        k: v for k, v in state["fused_scalars"].items() if k in ckpt.sharded.scalar_states
+    }
+    dense.apply_dense_state(state, ckpt.model, ckpt.optimizer, ckpt.sharded.scalar_states)
+    if side.rank is not None:
+        dense.apply_rank_state(side.rank, ckpt.statefuls)
+        return
+    for name, saved in side.statefuls.items():
+        try:
+            ckpt.statefuls[name].load_state_dict(saved)
+        except (EmbckptError, ValueError, KeyError, TypeError) as exc:
+            side.skipped.append(f"stateful {name!r}: refused writer rank 0's state: {exc}")
+
+
+# -- the collective restore ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class RestoreResult:
+    """What a restore loaded, on this rank.
+
+    Attributes:
+        manifest: the restored checkpoint's manifest.
+        chain: the steps applied, base first.
+        cost: what this rank read.
+        seconds: wall time of the whole restore; ``stage_seconds`` of plan + stage + agree.
+        skipped: per-rank state that was not restored, with the reason (world size changed).
+    """
+
+    manifest: Manifest
+    chain: tuple[int, ...]
+    cost: ReadCost
+    seconds: float
+    stage_seconds: float
+    skipped: tuple[str, ...]
+
+
+def restore_checkpoint(
+    ckpt: Checkpointer,
+    step: int | None = None,
+    *,
+    threads: int | None = None,
+    progress: bool | None = None,
+) -> RestoreResult | None:
+    """Restores checkpoint ``step`` (latest if None) into ``ckpt``'s model (collective).
+
+    Args:
+        ckpt: the checkpointer of the model to load; any world size and sharding plan.
+        step: the step to restore; None for the latest committed one.
+        threads: reader threads per rank (default: :func:`default_threads`).
+        progress: a progress bar on rank 0; None shows one when the restore reads more than
+            ``PROGRESS_MIN_BYTES`` and stderr is a terminal.
+
+    Returns:
+        What was restored (``ckpt.head`` becomes its manifest, so the next save continues its
+        chain); None on every rank if the directory holds no committed checkpoint.
+
+    Raises:
+        ChainIncompleteError: ``step`` or a checkpoint its chain needs is not committed.
+        CheckpointCorruptError: a file is missing, truncated or altered (named); nothing was
+            loaded on any rank.
+        ModelMismatchError: the model's tables differ from the checkpoint's.
+        RankError: another rank failed; its reason is quoted.
+    """
+    started = time.perf_counter()
     comm, store = ckpt.comm, ckpt.store
+    threads = threads or default_threads(ckpt.config)
     choice: tuple[int | None, str | None] = (None, None)
     if comm.rank == 0:
         committed = store.committed_steps()
@@ -196,7 +296,11 @@ def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
         elif step in committed:
             choice = (step, None)
         else:
-            choice = (None, f"no committed checkpoint of step {step} in {store.uri}")
+            known = ", ".join(map(str, committed)) or "none"
+            choice = (
+                None,
+                f"no committed checkpoint of step {step} in {store.uri} (committed: {known})",
+            )
     target, missing = comm.broadcast(choice)
     if missing is not None:
         raise ChainIncompleteError(store.step_path(int(step or 0), MANIFEST_NAME), missing)
@@ -205,39 +309,131 @@ def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
 
     error: BaseException | None = None
     chain: list[Manifest] = []
-    staged: list[_Staged] = []
-    dense_state = rank_state = None
+    staged: list[list[StagedFile]] = []
+    cost = ReadCost()
+    side: _SideState | None = None
     try:
         chain = read_chain(store, target)
         check_model_matches(ckpt, chain[-1], store.step_path(target))
-        staged = _stage_rows(ckpt, chain)
-        head = chain[-1]
-        dense_entry = next(f for f in head.files if f.role == "dense")
-        dense_state = dense.decode_tree(
-            store.read_checked(target, dense_entry.written).to_pybytes()
+        reads = plan_reads(chain, ckpt.sharded.shards)
+        total = sum(r.planned_bytes for r in reads)
+        show = comm.rank == 0 and (
+            progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
         )
-        if head.world_size == comm.world_size:
-            own = next(f for f in head.files if f.role == "rank" and f.rank == comm.rank)
-            rank_state = dense.decode_tree(store.read_checked(target, own.written).to_pybytes())
-        else:
-            log.warning(
-                "step %d was written by %d ranks, restoring onto %d: RNG and per-rank state "
-                "(data position) are not restored",
-                target,
-                head.world_size,
-                comm.world_size,
-            )
+        staged, cost = stage(store, len(chain), reads, threads=threads, progress=show)
+        side = _read_side_state(ckpt, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
         error = exc
-    comm.check(error, f"restoring step {target}")
+    try:
+        comm.check(error, f"restoring step {target}")
+    except BaseException:
+        release([file for files in staged for file in files])
+        raise
+    stage_seconds = time.perf_counter() - started
 
-    _apply(ckpt, staged)
-    assert dense_state is not None  # read above, or every rank raised
-    dense.apply_dense_state(dense_state, ckpt.model, ckpt.optimizer, ckpt.sharded.scalar_states)
-    if rank_state is not None:
-        dense.apply_rank_state(rank_state, ckpt.statefuls)
+    applied = apply_staged(staged, threads)
+    assert side is not None  # read above, or every rank raised
+    _apply_side_state(ckpt, side)
     ckpt.tracker.reset()
-    for piece in staged:
+    for piece in applied:
         if piece.from_diff:
             ckpt.tracker.mark(piece.shard.key, piece.local_rows, "since_full")
-    return chain[-1]
+    for reason in side.skipped:
+        log.warning("restore of step %d: not restored: %s", target, reason)
+    ckpt.head = chain[-1]  # the next checkpoint continues this chain
+    result = RestoreResult(
+        manifest=chain[-1],
+        chain=tuple(_steps(chain)),
+        cost=cost,
+        seconds=time.perf_counter() - started,
+        stage_seconds=stage_seconds,
+        skipped=tuple(side.skipped),
+    )
+    log.info(
+        "restored step %d (chain %s) in %.3f s: read %.1f MB of rows files for %.1f MB needed",
+        target,
+        result.chain,
+        result.seconds,
+        cost.bytes_read / 1e6,
+        cost.bytes_needed / 1e6,
+    )
+    return result
+
+
+def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
+    """What ``Checkpointer.restore`` calls: :func:`restore_checkpoint`, returning the manifest."""
+    result = restore_checkpoint(ckpt, step)
+    return None if result is None else result.manifest
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+# -- the `embckpt restore` command ----------------------------------------------------------------
+_RECIPE = """\
+To resume a job from step {step}, run on every rank of the new job (any world size, any
+sharding plan), after building the sharded model and its dense optimizer:
+
+    import embckpt
+
+    ckpt = embckpt.Checkpointer(
+        dmp, {directory!r}, optimizer=dense_optimizer, config=config,
+        statefuls={{"data": sampler}},  # the writer's statefuls (data position, schedulers)
+    )
+    step = ckpt.restore({step})  # collective; None on every rank if there is no checkpoint
+    for step in range(step + 1, total_steps + 1):
+        train_step(dmp, dense_optimizer, next(batches))
+        ckpt.maybe_save(step)  # the next checkpoint continues this chain
+    ckpt.close()
+
+`ckpt.restore()` without a step takes the latest committed checkpoint. On another world size
+the RNG streams are not restored, and a stateful is restored only if every writing rank saved
+the same state for it and it accepts it (see the warnings the restore logs)."""
+
+
+def describe_restore(directory: str, step: int | None = None) -> tuple[str, bool]:
+    """What ``embckpt restore`` prints: the chain of ``step`` (the latest if None), whether
+    every file of it verifies, and how to resume a job from it.
+
+    Returns:
+        The text, and whether the chain verified.
+
+    Raises:
+        ChainIncompleteError: no committed checkpoint, or a link of the chain is missing.
+        CheckpointCorruptError: a manifest of the chain is damaged.
+    """
+    from embckpt.storage.verify import verify
+
+    store = CheckpointStore(directory)
+    if step is None:
+        committed = store.committed_steps()
+        if not committed:
+            raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
+        step = committed[-1]
+    chain = read_chain(store, step)
+    head = chain[-1]
+    lines = [f"step {step} of {store.uri}: a chain of {len(chain)} checkpoint(s), base first"]
+    for m in chain:
+        rows = sum(1 for f in m.files if f.role == "rows")
+        lines.append(
+            f"  step {m.step}: {m.kind}, {rows} rows files, {m.total_bytes:,} bytes, "
+            f"{m.rows_written:,} rows, written by {m.world_size} ranks, codec {m.codec.get('id')}"
+        )
+    lines.append(f"tables (as step {step}'s writer sharded them):")
+    for t in head.tables:
+        states = ", ".join(t.row_states + t.elem_states) or "none"
+        lines.append(
+            f"  {t.name}: {t.rows} x {t.cols} {t.dtype}, {t.sharding_type} in "
+            f"{len(t.shards)} block(s), optimizer states: {states}"
+        )
+    report = verify(store, step)
+    if report.ok:
+        lines.append(f"verify: OK ({report.files_checked} files of steps {report.checked})")
+    else:
+        lines.append(f"verify: FAILED, {len(report.problems)} problem(s):")
+        lines.extend(f"  BAD {path}: {reason}" for path, reason in report.problems)
+    lines.extend(["", _RECIPE.format(step=step, directory=str(directory))])
+    return "\n".join(lines), report.ok

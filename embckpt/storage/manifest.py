@@ -21,6 +21,48 @@ KINDS = ("full", "diff")
 
 
 @dataclass(frozen=True)
+class RowGroupEntry:
+    """One Parquet row group of a rows file: its global row ids and its bytes.
+
+    The row group's column chunks are contiguous in the file, bytes
+    [offset, offset + length); ``sha256`` covers exactly those bytes, so a reader that fetches
+    only some row groups still checks every byte it decodes.
+    """
+
+    first_row: int
+    last_row: int  # inclusive, as in the Parquet statistics
+    rows: int
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """What a partial reader of a rows file needs: the footer's and row groups' checksums.
+
+    The footer (Parquet metadata, its length and the closing magic) is bytes
+    [footer_offset, file size); the row groups cover bytes [4, footer_offset) in order.
+    ``file_sha256`` is the SHA-256 of the whole file the index describes: a reader uses the
+    index only for that file (an entry rewritten without a new index is read whole).
+    """
+
+    file_sha256: str
+    footer_offset: int
+    footer_sha256: str
+    row_groups: tuple[RowGroupEntry, ...] = ()
+
+    @classmethod
+    def from_dict(cls, body: Mapping[str, Any]) -> FileIndex:
+        return cls(
+            file_sha256=body["file_sha256"],
+            footer_offset=body["footer_offset"],
+            footer_sha256=body["footer_sha256"],
+            row_groups=tuple(RowGroupEntry(**g) for g in body["row_groups"]),
+        )
+
+
+@dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint.
 
@@ -28,6 +70,11 @@ class FileEntry:
     or ``rank`` (one rank's RNG and data position). For ``rows`` files the shard fields say
     which block of the table the file's rows belong to: global rows
     [row_offset, row_offset + shard_rows) and columns [col_offset, col_offset + shard_cols).
+
+    Optional fields, added within format version 1 (older manifests lack them): ``fqn``, the
+    table weight's key in the writer's ``model.state_dict()``; ``index``, the per-row-group
+    checksums that let a reader fetch and verify only the row groups it needs (without it, a
+    reader fetches and checks the whole file).
     """
 
     path: str
@@ -41,6 +88,14 @@ class FileEntry:
     shard_rows: int = 0
     shard_cols: int = 0
     rows: int = 0  # rows stored in this file
+    fqn: str = ""
+    index: FileIndex | None = None
+
+    @property
+    def partial_index(self) -> FileIndex | None:
+        """The index for partial reads of this very file, if it has one."""
+        index = self.index
+        return index if index is not None and index.file_sha256 == self.sha256 else None
 
     @property
     def written(self) -> WrittenFile:
@@ -155,12 +210,17 @@ class Manifest:
                         )
                         for t in body["tables"]
                     ),
-                    "files": tuple(FileEntry(**f) for f in body["files"]),
+                    "files": tuple(_file_entry(f) for f in body["files"]),
                     "history": tuple(HistoryEntry(**h) for h in body["history"]),
                 }
             )
         except (TypeError, KeyError) as exc:
             raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
+
+
+def _file_entry(body: Mapping[str, Any]) -> FileEntry:
+    index = body.get("index")
+    return FileEntry(**{**body, "index": None if index is None else FileIndex.from_dict(index)})
 
 
 def _checksum(body: Mapping[str, Any]) -> str:

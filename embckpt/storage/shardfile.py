@@ -5,12 +5,19 @@ row range from row-group statistics alone), the codec's columns (``payload`` and
 parameters), and ``state.<name>`` for each optimizer state. The file's key-value metadata
 ``embckpt`` holds the codec config and the block's shape. Encodings follow the measurements
 in TORCHREC_NOTES.md: no dictionary, delta-coded row ids, plain payload, no generic compression.
+
+Partial reads: :func:`index_file` records, at write time, the byte range and SHA-256 of every
+row group and of the footer (the manifest keeps them, see ``FileIndex``). :func:`fetch_checked`
+then fetches only the footer and the row groups a reader needs, checks each against its
+checksum before parsing, and lets Parquet read nothing else: a read outside the verified
+ranges is an error, never silently unchecked bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +27,17 @@ import pyarrow.parquet as pq
 
 from embckpt.codecs.base import EncodedRows
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.manifest import FileIndex, RowGroupEntry
 
 ROW_COLUMN = "row"
 STATE_PREFIX = "state."
 ELEM_STATE_PREFIX = "elem."
 _META_KEY = b"embckpt"
+_MAGIC = b"PAR1"
+BATCH_BYTES = 8 << 20  # bytes of row groups decoded at a time (at least one row group)
+
+Fetch = Callable[[int, int], "pa.Buffer | bytes"]
+"""Reads ``length`` bytes of one file at ``offset``."""
 
 
 @dataclass(frozen=True)
@@ -70,15 +83,24 @@ def encode_file(
         compression=compression,
         use_dictionary=False,
         write_statistics=[ROW_COLUMN],
-        column_encoding={
-            name: ("DELTA_BINARY_PACKED" if name == ROW_COLUMN else "PLAIN") for name in columns
-        },
+        column_encoding={name: _encoding(name, table.schema.field(name).type) for name in columns},
     )
     return sink.getvalue()
 
 
+def _encoding(name: str, type_: pa.DataType) -> str:
+    """Parquet encoding of a column: delta-coded row ids; for variable-length codec columns
+    (Huffman-coded rows) delta-coded lengths, about a byte per row instead of PLAIN's four;
+    PLAIN for the rest."""
+    if name == ROW_COLUMN:
+        return "DELTA_BINARY_PACKED"
+    if pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
+        return "DELTA_LENGTH_BYTE_ARRAY"
+    return "PLAIN"
+
+
 def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBlock:
-    """Reads the rows with global id in [row_lo, row_hi) from a file's bytes.
+    """Reads the rows with global id in [row_lo, row_hi) from a whole file's bytes.
 
     Raises:
         CheckpointCorruptError: the bytes are not a readable embckpt Parquet file.
@@ -92,7 +114,203 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBloc
         )
     except (pa.ArrowException, KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(path, f"not a readable embckpt Parquet file: {exc}") from exc
-    names = table.column_names
+    return _row_block(table, meta)
+
+
+def index_file(data: pa.Buffer, file_sha256: str) -> FileIndex:
+    """The byte ranges and SHA-256 of a file's row groups and footer (see module doc).
+
+    Args:
+        data: the whole file.
+        file_sha256: its SHA-256, as the manifest records it (not computed again here).
+    """
+    view = memoryview(data)
+    metadata = pq.read_metadata(pa.BufferReader(data))
+    footer_offset = len(view) - 8 - int.from_bytes(view[-8:-4], "little")
+    groups = []
+    start = len(_MAGIC)
+    for i in range(metadata.num_row_groups):
+        group = metadata.row_group(i)
+        end = max(_chunk_end(group.column(j)) for j in range(group.num_columns))
+        stats = group.column(_column_index(metadata, ROW_COLUMN)).statistics
+        groups.append(
+            RowGroupEntry(
+                first_row=int(stats.min),
+                last_row=int(stats.max),
+                rows=group.num_rows,
+                offset=start,
+                length=end - start,
+                sha256=hashlib.sha256(view[start:end]).hexdigest(),
+            )
+        )
+        start = end
+    if start != footer_offset:
+        raise ValueError(f"row groups end at byte {start}, the footer starts at {footer_offset}")
+    return FileIndex(
+        file_sha256=file_sha256,
+        footer_offset=footer_offset,
+        footer_sha256=hashlib.sha256(view[footer_offset:]).hexdigest(),
+        row_groups=tuple(groups),
+    )
+
+
+class CheckedFile:
+    """Byte ranges of one rows file, fetched and checked against the manifest, ready to decode.
+
+    Call order: :func:`fetch_checked` or :func:`checked_whole` -> ``row_ids`` (the row column
+    only: cheap) -> ``read`` (every column) -> ``close``. Parquet reads only the checked
+    ranges; a read outside them raises.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        metadata: pq.FileMetaData,
+        segments: list[tuple[int, pa.Buffer]],
+        groups: Sequence[int],
+        bytes_read: int,
+        source: Any = None,
+    ) -> None:
+        self.path = path
+        self.groups = list(groups)
+        self.bytes_read = bytes_read
+        self._size = size
+        self._metadata = metadata
+        self._segments = segments
+        self._source = source
+        try:
+            self.meta: Mapping[str, Any] = json.loads(
+                metadata.schema.to_arrow_schema().metadata[_META_KEY]
+            )
+        except (pa.ArrowException, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(path, f"not an embckpt Parquet file: {exc}") from exc
+
+    def row_ids(self) -> np.ndarray:
+        """The global row ids stored in the checked row groups, ascending.
+
+        Raises:
+            CheckpointCorruptError: the checked bytes do not parse.
+        """
+        try:
+            table = self._parquet().read_row_groups(
+                self.groups, columns=[ROW_COLUMN], use_threads=False
+            )
+            return table[ROW_COLUMN].to_numpy()
+        except (pa.ArrowException, OSError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(
+                self.path, f"not a readable embckpt Parquet file: {exc}"
+            ) from exc
+
+    def read(self, row_lo: int, row_hi: int) -> Iterator[RowBlock]:
+        """The rows with global id in [row_lo, row_hi), ascending, in blocks of a few row
+        groups (about ``BATCH_BYTES``) whose columns are single Arrow arrays: decoding works
+        through buffers of a bounded size, which the allocators reuse, and copies no more
+        than the codec does.
+
+        Raises:
+            CheckpointCorruptError: the checked bytes do not parse.
+        """
+        runs: list[list[int]] = []
+        size = BATCH_BYTES
+        for g in self.groups:
+            group_bytes = self._metadata.row_group(g).total_byte_size
+            if size + group_bytes > BATCH_BYTES:
+                runs.append([])
+                size = 0
+            runs[-1].append(g)
+            size += group_bytes
+        parquet = self._parquet()
+        try:
+            for run in runs:
+                table = parquet.read_row_groups(run, use_threads=False)
+                for batch in table.to_batches():
+                    ids = batch[ROW_COLUMN].to_numpy()
+                    lo, hi = np.searchsorted(ids, [row_lo, row_hi])
+                    if hi > lo:
+                        yield _row_block(batch.slice(lo, hi - lo), self.meta)
+        except (pa.ArrowException, OSError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(
+                self.path, f"not a readable embckpt Parquet file: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        self._segments = []
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def _parquet(self) -> pq.ParquetFile:
+        source = pa.PythonFile(_VerifiedRanges(self._size, self._segments, self.path), "r")
+        return pq.ParquetFile(source, metadata=self._metadata, pre_buffer=False)
+
+
+def fetch_checked(
+    fetch: Fetch,
+    size: int,
+    index: FileIndex,
+    groups: Sequence[int],
+    path: str,
+    source: Any = None,
+) -> CheckedFile:
+    """Fetches a file's footer and row groups ``groups`` and checks each against the index.
+
+    Args:
+        fetch: reads a byte range of the file.
+        size: the file's size, from the manifest.
+        index: the file's index, from the manifest.
+        groups: ascending row-group numbers to fetch.
+        path: the file's path, for messages.
+        source: closed by :meth:`CheckedFile.close` (the open file the fetched bytes live in).
+
+    Raises:
+        CheckpointCorruptError: a range is short, does not match its SHA-256, or the footer
+            does not parse; the message names the file and the range.
+    """
+    footer = _checked(
+        fetch, path, index.footer_offset, size - index.footer_offset, index.footer_sha256, "footer"
+    )
+    segments: list[tuple[int, pa.Buffer]] = []
+    bytes_read = footer.size
+    for run in _runs(groups):
+        first, last = index.row_groups[run[0]], index.row_groups[run[-1]]
+        data = _fetch(fetch, path, first.offset, last.offset + last.length - first.offset)
+        bytes_read += data.size
+        for g in run:
+            entry = index.row_groups[g]
+            piece = data.slice(entry.offset - first.offset, entry.length)
+            if hashlib.sha256(memoryview(piece)).hexdigest() != entry.sha256:
+                raise CheckpointCorruptError(
+                    path,
+                    f"row group {g} (bytes {entry.offset}+{entry.length}): SHA-256 does "
+                    "not match the manifest",
+                )
+        segments.append((first.offset, data))
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(pa.py_buffer(_MAGIC + footer.to_pybytes())))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CheckpointCorruptError(path, f"footer does not parse: {exc}") from exc
+    if metadata.num_row_groups != len(index.row_groups):
+        raise CheckpointCorruptError(
+            path,
+            f"footer lists {metadata.num_row_groups} row groups, the manifest "
+            f"{len(index.row_groups)}",
+        )
+    return CheckedFile(path, size, metadata, segments, groups, bytes_read, source)
+
+
+def checked_whole(data: pa.Buffer, path: str) -> CheckedFile:
+    """A whole file whose bytes were already checked (by its file-level SHA-256)."""
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(data))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CheckpointCorruptError(path, f"not a readable Parquet file: {exc}") from exc
+    groups = range(metadata.num_row_groups)
+    return CheckedFile(path, data.size, metadata, [(0, data)], groups, data.size)
+
+
+def _row_block(table: pa.Table | pa.RecordBatch, meta: Mapping[str, Any]) -> RowBlock:
+    names = table.schema.names
     codec_cols = {
         n: table[n]
         for n in names
@@ -113,3 +331,95 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBloc
         elem_states=elem_states,
         metadata=meta,
     )
+
+
+def _chunk_end(column: Any) -> int:
+    start = column.data_page_offset
+    if column.has_dictionary_page and column.dictionary_page_offset:
+        start = min(start, column.dictionary_page_offset)
+    return int(start + column.total_compressed_size)
+
+
+def _column_index(metadata: pq.FileMetaData, name: str) -> int:
+    return metadata.schema.names.index(name)
+
+
+def _runs(groups: Sequence[int]) -> list[list[int]]:
+    """Splits ascending row-group numbers into runs of consecutive ones (one read per run)."""
+    runs: list[list[int]] = []
+    for g in groups:
+        if runs and runs[-1][-1] == g - 1:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return runs
+
+
+def _fetch(fetch: Fetch, path: str, offset: int, length: int) -> pa.Buffer:
+    try:
+        data = pa.py_buffer(fetch(offset, length))
+    except (OSError, pa.ArrowException) as exc:
+        raise CheckpointCorruptError(path, f"cannot read bytes {offset}+{length}: {exc}") from exc
+    if data.size != length:
+        raise CheckpointCorruptError(
+            path, f"bytes {offset}+{length}: read {data.size} (file truncated?)"
+        )
+    return data
+
+
+def _checked(
+    fetch: Fetch, path: str, offset: int, length: int, sha256: str, what: str
+) -> pa.Buffer:
+    if length <= 0:
+        raise CheckpointCorruptError(path, f"{what}: empty range at byte {offset}")
+    data = _fetch(fetch, path, offset, length)
+    if hashlib.sha256(memoryview(data)).hexdigest() != sha256:
+        raise CheckpointCorruptError(
+            path, f"{what} (bytes {offset}+{length}): SHA-256 does not match the manifest"
+        )
+    return data
+
+
+class _VerifiedRanges:
+    """A read-only file object over the verified byte ranges of one file.
+
+    Parquet reads through it; a read that leaves the verified ranges raises instead of
+    reaching unchecked bytes.
+    """
+
+    def __init__(self, size: int, segments: list[tuple[int, pa.Buffer]], path: str) -> None:
+        self._size = size
+        self._segments = segments
+        self._path = path
+        self._pos = 0
+        self.closed = False
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> memoryview:
+        if n is None or n < 0:
+            n = self._size - self._pos
+        for offset, data in self._segments:
+            if offset <= self._pos and self._pos + n <= offset + data.size:
+                start = self._pos - offset
+                self._pos += n
+                return memoryview(data)[start : start + n]
+        raise OSError(f"{self._path}: read of bytes {self._pos}+{n} outside the verified ranges")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
