@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.codecs import Codec, codec_for, make_codec
+from embckpt.codecs import Codec, EncodedRows, codec_for, make_codec
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import SaveError
 from embckpt.guards import UpdateGuard
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
+from embckpt.reference import ReconstructedRows
 from embckpt.sharding import ShardedModel, discover
 from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.staging import StagingArena
@@ -142,6 +143,8 @@ class Checkpointer:
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(self.config)
         self.codec: Codec = codec_for(self.config)
+        self.base_codec: Codec = make_codec(self.config.base_codec)  # fulls of delta codecs
+        self._reference = ReconstructedRows()
         self.restores = 0  # restores this job went through, carried from manifest to manifest
         self.state_codec: Codec = make_codec(self.config.optimizer_codec)
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
@@ -261,6 +264,10 @@ class Checkpointer:
         decision = self.policy.decide(
             PolicyInput(step, dirty["since_last"], dirty["since_full"], history)
         )
+        if self.codec.delta and decision.kind is Kind.DIFF and not self._reference.ready:
+            # Deltas need the reconstruction of their base, which only a full written by this
+            # process provides (not kept across a restart or a restore).
+            decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
         return decision, dirty
 
     def _prepare_step_folder(self, step: int) -> str | None:
@@ -319,7 +326,7 @@ class Checkpointer:
             if snapshot.error is None:
                 try:
                     staged = self._stage_piece(piece)
-                    snapshot.entries.extend(self._write_units(step, staged))
+                    snapshot.entries.extend(self._write_units(step, staged, snapshot.decision))
                 except Exception as exc:
                     snapshot.error = exc
         snapshot.pending = pieces[-1]
@@ -383,7 +390,7 @@ class Checkpointer:
         """Writes the last piece's rows and the dense files; returns the error, if any."""
         step = snapshot.step
         try:
-            snapshot.entries.extend(self._write_units(step, snapshot.staged))
+            snapshot.entries.extend(self._write_units(step, snapshot.staged, snapshot.decision))
             if snapshot.dense is not None:
                 written = self.store.write_file(step, DENSE_FILE, dense.encode_tree(snapshot.dense))
                 snapshot.entries.append(_entry(written, "dense", self.comm.rank))
@@ -395,16 +402,38 @@ class Checkpointer:
             return exc
         return None
 
-    def _write_units(self, step: int, staged: list[StagedUnit]) -> list[FileEntry]:
+    def _write_units(
+        self, step: int, staged: list[StagedUnit], decision: Decision
+    ) -> list[FileEntry]:
         """Encodes and writes units in parallel (pyarrow, hashing and I/O release the GIL)."""
-        return list(self._io.map(lambda unit: self._write_block(step, unit), staged))
+        if self.codec.delta:
+            for unit in staged:
+                shard = unit.unit.shard
+                self._reference.ensure(shard.key, (shard.num_rows, shard.num_cols))
+        return list(self._io.map(lambda unit: self._write_block(step, unit, decision), staged))
 
-    def _write_block(self, step: int, block: StagedUnit) -> FileEntry:
+    def _encode_rows(self, block: StagedUnit, decision: Decision) -> tuple[Codec, EncodedRows]:
+        """Encodes a unit's rows; delta codecs encode against, and update, the reconstruction."""
+        if not self.codec.delta:
+            return self.codec, self.codec.encode(block.weights)
+        key, rows = block.unit.shard.key, block.local_rows
+        cols = block.unit.shard.num_cols
+        if decision.kind is Kind.FULL:
+            encoded = self.base_codec.encode(block.weights)
+            self._reference.set(key, rows, self.base_codec.decode(encoded, cols))
+            return self.base_codec, encoded
+        encoded = self.codec.encode(self._reference.delta(key, rows, block.weights))
+        if decision.view == "since_last":  # incremental: the chain now includes this delta
+            self._reference.add(key, rows, self.codec.decode(encoded, cols))
+        return self.codec, encoded
+
+    def _write_block(self, step: int, block: StagedUnit, decision: Decision) -> FileEntry:
+        codec, encoded = self._encode_rows(block, decision)
         shard = block.unit.shard
         global_rows = (block.local_rows + shard.row_offset).numpy()
         data = encode_file(
             rows=global_rows,
-            encoded=self.codec.encode(block.weights),
+            encoded=encoded,
             row_states={n: t.cpu().numpy() for n, t in block.row_states.items()},
             elem_states={n: self.state_codec.encode(t) for n, t in block.elem_states.items()},
             metadata={
@@ -412,7 +441,7 @@ class Checkpointer:
                 "row_offset": shard.row_offset,
                 "col_offset": shard.col_offset,
                 "cols": shard.num_cols,
-                "codec": self.codec.get_config(),
+                "codec": codec.get_config(),
                 "state_codec": self.state_codec.get_config(),
             },
             row_group_rows=self.config.row_group_rows,
@@ -488,6 +517,7 @@ class Checkpointer:
         self._finish_inflight()
         manifest = restore_into(self, step)
         self.head = manifest
+        self._reference.clear()
         if manifest is not None:
             self.restores = int(manifest.stats.get("restores", 0)) + 1
         self._next_step = None

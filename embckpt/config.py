@@ -18,6 +18,8 @@ from embckpt.errors import ConfigError
 
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
 PIPELINES = ("full", "persist", "off")
+ENTROPY_STAGES = ("auto", "none", "huffman", "zstd", "lz4")
+CODE_BITS = (2, 3, 4, 8)
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -38,9 +40,12 @@ class CheckpointConfig:
             are deleted after each commit (0 keeps everything).
         codec: registry id of the row codec (``raw`` is lossless fp32).
         bits: code width of quantizing codecs (2, 3, 4 or 8); None for the codec's default.
-        entropy: entropy stage over the codes: ``none``, ``huffman`` or ``zstd``.
+        entropy: entropy stage over the codes: ``none``, ``huffman``, ``zstd`` or ``lz4``;
+            ``auto`` keeps the codec's own default (the stage measured best for it).
         codec_options: extra settings passed to the codec.
         optimizer_codec: codec of row-wise optimizer state (lossless by default).
+        base_codec: codec of full checkpoints when ``codec`` is a delta codec (``exponent``):
+            deltas need a base to be deltas against.
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
         max_file_rows: rows per Parquet file; a larger block is split into several files so
             that encoding one file never holds more than this many rows in memory.
@@ -63,9 +68,10 @@ class CheckpointConfig:
     keep_last: int = 0
     codec: str = "raw"
     bits: int | None = None
-    entropy: str = "none"
+    entropy: str = "auto"
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     optimizer_codec: str = "raw"
+    base_codec: str = "raw"
     row_group_rows: int = 65536
     max_file_rows: int = 1 << 20
     fsync: bool = True
@@ -83,6 +89,10 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
+        if self.entropy not in ENTROPY_STAGES:
+            raise ConfigError(f"entropy {self.entropy!r} is not one of {ENTROPY_STAGES}")
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in CODE_BITS):
+            raise ConfigError(f"bits must be one of {CODE_BITS} or None, got {self.bits!r}")
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
         if self.pipeline not in PIPELINES:

@@ -32,12 +32,13 @@ class ReconstructedRows:
     def clear(self) -> None:
         self._rows.clear()
 
-    def set(
-        self, key: str, shape: tuple[int, int], local_rows: torch.Tensor, decoded: torch.Tensor
-    ) -> None:
-        """Rows ``local_rows`` of block ``key`` are now ``decoded`` (a full checkpoint's)."""
+    def ensure(self, key: str, shape: tuple[int, int]) -> None:
+        """Allocates block ``key`` (before parallel writers touch disjoint rows of it)."""
         if key not in self._rows or tuple(self._rows[key].shape) != shape:
             self._rows[key] = torch.zeros(shape, dtype=torch.float32)
+
+    def set(self, key: str, local_rows: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Rows ``local_rows`` of block ``key`` are now ``decoded`` (a full checkpoint's)."""
         self._rows[key][local_rows] = decoded.float()
 
     def delta(self, key: str, local_rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
