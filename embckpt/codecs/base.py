@@ -2,13 +2,16 @@
 
 A codec turns a batch of embedding rows (a 2-D torch tensor, any device) into the per-row
 Parquet columns the storage layer writes, plus JSON-able metadata kept in the file's key-value
-metadata; ``decode`` inverts it. Codecs are pure: no state survives between calls except what
-``get_config`` returns, so a reader rebuilds the exact codec from a file's metadata alone.
+metadata; ``decode`` inverts it. A reader rebuilds the codec from a file's metadata alone
+(``get_config``), and everything a file needs to decode is in that file. Codecs may keep caches
+between calls (a Huffman table, a k-means codebook) that make the next batch cheaper to encode
+or decode, never ones a reader would need.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -17,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from embckpt.errors import UnknownCodecError
+from embckpt.errors import ConfigError, UnknownCodecError
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -100,6 +103,7 @@ def make_codec(codec_id: str, options: Mapping[str, Any] | None = None) -> Codec
 
     Raises:
         UnknownCodecError: no codec is registered under ``codec_id``.
+        ConfigError: an option the codec does not take, or a value it rejects.
     """
     return codec_from_config({"id": codec_id, **(options or {})})
 
@@ -109,6 +113,7 @@ def codec_from_config(config: Mapping[str, Any]) -> Codec:
 
     Raises:
         UnknownCodecError: the id is not registered, or the format version is newer than ours.
+        ConfigError: an option the codec does not take, or a value it rejects.
     """
     codec_id = config.get("id")
     cls = _REGISTRY.get(str(codec_id))
@@ -120,7 +125,12 @@ def codec_from_config(config: Mapping[str, Any]) -> Codec:
             f"codec {codec_id!r} format version {version} is newer than this reader's "
             f"{cls.format_version}; upgrade embckpt"
         )
-    return cls.from_config(config)
+    try:
+        return cls.from_config(config)
+    except TypeError as exc:
+        # An option the codec's constructor does not take: name the codec and what it takes.
+        takes = sorted(set(inspect.signature(cls.__init__).parameters) - {"self"})
+        raise ConfigError(f"codec {codec_id!r}: {exc}; its options are {takes}") from None
 
 
 def fixed_binary_column(data: np.ndarray) -> pa.FixedSizeBinaryArray:

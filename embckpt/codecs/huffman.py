@@ -1,0 +1,427 @@
+"""Canonical Huffman coding of byte rows, vectorised with numpy.
+
+Contract: every row of a uint8 matrix [n, w] becomes its own byte-aligned bit string, so a row
+read alone (a row-range read of a Parquet file) decodes alone, and decoding runs over all rows
+at once: one vectorised step per two byte columns, never a loop over rows (rows are the
+independent chunks that decoding parallelises over).
+
+Byte columns come in groups, each with its own code table: a codec groups the bytes that share
+a distribution (all packed codes; each byte of the per-row scale and bias; each byte position
+of a float), which is where much of the gain on parameters and floats comes from. Codes are
+canonical and at most ``MAX_CODE_BITS`` long, so a table is fully described by 256 code lengths,
+stored as a 256-character hex string; decoding is one lookup of ``MAX_CODE_BITS`` bits per
+symbol. Bits are written least significant first, like FBGEMM's packing and DEFLATE, with each
+code bit-reversed so that the lookup index is simply the next ``MAX_CODE_BITS`` bits.
+
+``TableCache`` keeps the previous batch's tables between checkpoints (LC-Checkpoint's code-table
+caching): they are reused while they cost at most ``tolerance`` more bits than fresh tables,
+which keeps consecutive files' tables identical and lets readers reuse their decode tables.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from embckpt.errors import CodecError
+
+MAX_CODE_BITS = 12
+_ALPHABET = 256
+_SAMPLE_BYTES = 1 << 20
+_CHUNK_ROWS = 16384
+
+
+def code_lengths(counts: np.ndarray) -> np.ndarray:
+    """Huffman code lengths (at most ``MAX_CODE_BITS``) for symbol counts [256].
+
+    Symbols with a zero count get length 0 (no code). Lengths are limited by halving the
+    counts and rebuilding, which costs a negligible fraction of a bit at these sizes.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    lengths = np.zeros(_ALPHABET, dtype=np.uint8)
+    present = np.flatnonzero(counts)
+    if len(present) == 0:
+        return lengths
+    if len(present) == 1:
+        lengths[present] = 1
+        return lengths
+    weights = counts[present]
+    while True:
+        depth = _huffman_depths(weights)
+        if depth.max() <= MAX_CODE_BITS:
+            lengths[present] = depth
+            return lengths
+        weights = np.maximum(weights >> 1, 1)
+
+
+def _huffman_depths(weights: np.ndarray) -> np.ndarray:
+    # Classic heap construction over at most 256 leaves (a loop over the alphabet, not the
+    # data): merged nodes get increasing ids, so parents always follow their children.
+    count = len(weights)
+    heap = [(int(w), i) for i, w in enumerate(weights.tolist())]
+    heapq.heapify(heap)
+    parent = [0] * (2 * count - 1)
+    node = count
+    while len(heap) > 1:
+        w1, a = heapq.heappop(heap)
+        w2, b = heapq.heappop(heap)
+        parent[a] = parent[b] = node
+        heapq.heappush(heap, (w1 + w2, node))
+        node += 1
+    depth = [0] * (2 * count - 1)
+    for i in range(2 * count - 3, -1, -1):
+        depth[i] = depth[parent[i]] + 1
+    return np.array(depth[:count], dtype=np.int64)
+
+
+def lengths_to_hex(lengths: np.ndarray) -> str:
+    """The metadata form of a table: one hex digit per symbol."""
+    return "".join("0123456789abcdef"[int(v)] for v in lengths)
+
+
+def lengths_from_hex(text: str) -> np.ndarray:
+    """Inverse of :func:`lengths_to_hex`.
+
+    Raises:
+        CodecError: the text is not 256 hex digits describing a valid prefix code.
+    """
+    try:
+        lengths = np.array([int(c, 16) for c in text], dtype=np.uint8)
+    except (TypeError, ValueError):
+        raise CodecError("Huffman table is not a hex string") from None
+    used = lengths[lengths > 0].astype(np.float64)
+    if (
+        len(lengths) != _ALPHABET
+        or lengths.max(initial=0) > MAX_CODE_BITS
+        or np.sum(2.0**-used) > 1.0
+    ):
+        raise CodecError("Huffman table has the wrong size or is not a prefix code")
+    return lengths
+
+
+def _canonical_reversed(lengths: np.ndarray) -> np.ndarray:
+    """Canonical codes, bit-reversed within their length, for an LSB-first stream."""
+    codes = np.zeros(_ALPHABET, dtype=np.int64)
+    order = np.lexsort((np.arange(_ALPHABET), lengths))
+    code = 0
+    prev = 0
+    for sym in order.tolist():
+        length = int(lengths[sym])
+        if length == 0:
+            continue
+        code <<= length - prev
+        prev = length
+        codes[sym] = int(format(code, f"0{length}b")[::-1], 2)
+        code += 1
+    return codes
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_table(key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Lookup tables indexed by the next ``MAX_CODE_BITS`` bits: symbol and code length."""
+    lengths = lengths_from_hex(key)
+    codes = _canonical_reversed(lengths)
+    symbols = np.zeros(1 << MAX_CODE_BITS, dtype=np.uint8)
+    sizes = np.zeros(1 << MAX_CODE_BITS, dtype=np.int64)
+    for sym in np.flatnonzero(lengths).tolist():
+        length = int(lengths[sym])
+        # Every index whose low `length` bits are this code decodes to this symbol.
+        index = codes[sym] + (np.arange(1 << (MAX_CODE_BITS - length)) << length)
+        symbols[index] = sym
+        sizes[index] = length
+    return symbols, sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _byte_table(key: str) -> tuple[np.ndarray, np.ndarray]:
+    lengths = lengths_from_hex(key).astype(np.int64)
+    return _canonical_reversed(lengths), lengths
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_table(first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
+    """Code and length of every little-endian byte pair [65536] whose first byte uses table
+    ``first`` and second ``second``: two bytes per lookup halve every vectorised step."""
+    codes1, lengths1 = _byte_table(first)
+    codes2, lengths2 = _byte_table(second)
+    low, high = np.arange(1 << 16) & 0xFF, np.arange(1 << 16) >> 8
+    pair_codes = codes1[low] | (codes2[high] << lengths1[low])
+    pair_lengths = lengths1[low] + lengths2[high]
+    # A pair with an uncodable byte stays uncodable (length 0 flags it).
+    pair_lengths[(lengths1[low] == 0) | (lengths2[high] == 0)] = 0
+    # Narrow types (codes < 2**24, lengths <= 24) keep the stacked tables cache-sized.
+    return pair_codes.astype(np.int32), pair_lengths.astype(np.uint8)
+
+
+def _unit_tables(
+    tables: Sequence[str], column_tables: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stacked pair tables for the column pairs of a row, and each unit's offset into them.
+
+    A row's units are its byte pairs (and a last single byte when the width is odd).
+    """
+    width = len(column_tables)
+    keys: list[tuple[str, str | None]] = []
+    for j in range(0, width, 2):
+        second = tables[column_tables[j + 1]] if j + 1 < width else None
+        keys.append((tables[column_tables[j]], second))
+    distinct = list(dict.fromkeys(keys))
+    parts = []
+    for first, second in distinct:
+        if second is None:
+            codes, lengths = _byte_table(first)
+            pad = np.zeros((1 << 16) - _ALPHABET, dtype=np.int64)
+            parts.append(
+                (
+                    np.concatenate([codes, pad]).astype(np.int32),
+                    np.concatenate([lengths, pad]).astype(np.uint8),
+                )
+            )
+        else:
+            parts.append(_pair_table(first, second))
+    offsets = np.array([distinct.index(k) << 16 for k in keys], dtype=np.int64)
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        offsets,
+    )
+
+
+def encode_rows(
+    data: np.ndarray, tables: Sequence[str], column_tables: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Huffman-codes each row of ``data`` [n, w] (uint8) into its own byte-aligned bit string.
+
+    Args:
+        data: the rows' bytes.
+        tables: code tables (hex lengths).
+        column_tables: for each of the ``w`` byte columns, the index of its table.
+
+    Returns:
+        ``offsets`` [n + 1] (int64 byte offsets of each row's string) and ``buffer`` (uint8,
+        ``offsets[-1]`` bytes): the two buffers of an Arrow binary column.
+
+    Raises:
+        CodecError: a byte value in ``data`` has no code in its column's table.
+    """
+    n, width = data.shape
+    unit_codes, unit_lengths, unit_offsets = _unit_tables(tables, column_tables)
+    # Two passes over row chunks, so temporaries stay chunk-sized: the row lengths first (they
+    # fix every row's offset), then the bits themselves.
+    row_bits = np.zeros(n, dtype=np.int64)
+    for lo in range(0, n if width else 0, _CHUNK_ROWS):
+        size = unit_lengths[_unit_index(data[lo : lo + _CHUNK_ROWS], unit_offsets)]
+        if size.min() == 0:
+            raise CodecError("a byte value has no code in its column's Huffman table")
+        size.sum(axis=1, dtype=np.int64, out=row_bits[lo : lo + _CHUNK_ROWS])
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum((row_bits + 7) >> 3, out=offsets[1:])
+    total = int(offsets[-1])
+    words = np.zeros((total + 3) // 4 + 2, dtype=np.int64)
+    for lo in range(0, n if width else 0, _CHUNK_ROWS):
+        index = _unit_index(data[lo : lo + _CHUNK_ROWS], unit_offsets)
+        _place(unit_codes[index].astype(np.int64), unit_lengths[index], offsets[lo:], words)
+    buffer = words.astype("<u4").view(np.uint8)[:total]
+    return offsets, buffer
+
+
+def _unit_index(data: np.ndarray, unit_offsets: np.ndarray) -> np.ndarray:
+    """Each unit's index into the stacked unit tables: its byte pair value plus its table's
+    offset (a last odd byte is a unit of its own)."""
+    width = data.shape[1]
+    even = width - width % 2
+    index = np.ascontiguousarray(data[:, :even]).view("<u2").astype(np.int64)
+    if width % 2:
+        index = np.concatenate([index, data[:, -1:].astype(np.int64)], axis=1)
+    index += unit_offsets
+    return index
+
+
+def _place(code: np.ndarray, size: np.ndarray, offsets: np.ndarray, out: np.ndarray) -> None:
+    # Global bit position of every unit; a unit (at most 24 bits) starts in one 32-bit word and
+    # may spill into the next. Shifted into the int64 slot of its starting word, the spill
+    # lands in the slot's upper half. No two units share a bit, so adding them is OR-ing them
+    # (no carries), and every slot stays below 2**56.
+    start = np.cumsum(size, axis=1, dtype=np.int64)
+    start -= size
+    start += (offsets[: len(code)] * 8)[:, None]
+    word = start >> 5
+    first = int(word[0, 0])
+    word -= first
+    np.bitwise_and(start, 31, out=start)
+    np.left_shift(code, start, out=code)
+    slots = np.zeros(int(word[-1, -1]) + 1, dtype=np.int64)
+    np.add.at(slots, word.ravel(), code.ravel())
+    end = first + len(slots)
+    out[first:end] |= slots & 0xFFFFFFFF
+    out[first + 1 : end + 1] |= slots >> 32
+
+
+def decode_rows(
+    buffer: np.ndarray, offsets: np.ndarray, tables: Sequence[str], column_tables: np.ndarray
+) -> np.ndarray:
+    """Inverse of :func:`encode_rows`: one byte per column of ``column_tables`` per row.
+
+    ``offsets`` may start anywhere in ``buffer`` (a slice of a larger column).
+
+    Raises:
+        CodecError: a row's bit string is shorter than its symbols need.
+    """
+    luts = [_decode_table(tables[t]) for t in column_tables]
+    n = len(offsets) - 1
+    out = np.empty((n, len(column_tables)), dtype=np.uint8)
+    if n == 0 or len(column_tables) == 0:
+        return out
+    padded = np.zeros(len(buffer) + 16, dtype=np.uint8)
+    padded[: len(buffer)] = buffer
+    words = padded[: (len(padded) // 4) * 4].view("<u4").astype(np.int64)
+    ends = offsets[1:] * 8
+    for lo in range(0, n, _CHUNK_ROWS):
+        hi = min(n, lo + _CHUNK_ROWS)
+        pos = offsets[lo:hi].astype(np.int64) * 8
+        _decode_chunk(words, pos, luts, out[lo:hi])
+        if np.any(pos > ends[lo:hi]):
+            raise CodecError("a Huffman-coded row is truncated")
+    return out
+
+
+def _decode_chunk(
+    words: np.ndarray,
+    pos: np.ndarray,
+    luts: list[tuple[np.ndarray, np.ndarray]],
+    out: np.ndarray,
+) -> None:
+    # Rows are independent bit strings: each step decodes the next symbols of every row of the
+    # chunk at once. One 64-bit window holds at least 33 unread bits, enough for two codes of
+    # at most 12 bits, so each window load serves two symbols. Buffers are reused throughout.
+    index = np.empty_like(pos)
+    window = np.empty_like(pos)
+    high = np.empty_like(pos)
+    peek = np.empty_like(pos)
+    size = np.empty_like(pos)
+    mask = (1 << MAX_CODE_BITS) - 1
+    width = out.shape[1]
+    for j in range(0, width, 2):
+        np.right_shift(pos, 5, out=index)
+        np.take(words, index, out=window)
+        index += 1
+        np.take(words, index, out=high)
+        high <<= 32
+        window |= high
+        np.bitwise_and(pos, 31, out=index)
+        window >>= index
+        np.bitwise_and(window, mask, out=peek)
+        symbols, sizes = luts[j]
+        np.take(symbols, peek, out=out[:, j])
+        np.take(sizes, peek, out=size)
+        pos += size
+        if j + 1 < width:
+            window >>= size
+            window &= mask
+            symbols, sizes = luts[j + 1]
+            np.take(symbols, window, out=out[:, j + 1])
+            pos += np.take(sizes, window)
+
+
+def table_cost(counts: np.ndarray, lengths: np.ndarray) -> float:
+    """Bits ``counts`` take under ``lengths``; infinite when a used symbol has no code."""
+    if np.any((counts > 0) & (lengths == 0)):
+        return float("inf")
+    return float(np.dot(counts.astype(np.float64), lengths.astype(np.float64)))
+
+
+class TableCache:
+    """The code tables of the previous batch, reused while they stay nearly optimal.
+
+    Args:
+        tolerance: reuse the cached tables while they cost at most this fraction more bits
+            than tables built for the new batch.
+    """
+
+    def __init__(self, tolerance: float = 0.01) -> None:
+        self.tolerance = tolerance
+        self._lengths: list[np.ndarray] | None = None
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def tables_for(self, data: np.ndarray, column_tables: np.ndarray) -> list[str]:
+        """The tables (hex lengths) to code ``data`` [n, w] with, one per table index in
+        ``column_tables``."""
+        counts = _histograms(data, column_tables)
+        with self._lock:
+            cached = self._lengths
+        usable = cached is not None and len(cached) == len(counts)
+        if usable:
+            assert cached is not None
+            old = sum(table_cost(c, t) for c, t in zip(counts, cached, strict=True))
+            # No table beats the entropy: within tolerance of it, reuse without building.
+            if old <= (1 + self.tolerance) * sum(_entropy_bits(c) for c in counts):
+                return self._hit(cached)
+        fresh = [code_lengths(c) for c in counts]
+        if usable:
+            assert cached is not None
+            new = sum(table_cost(c, t) for c, t in zip(counts, fresh, strict=True))
+            if old <= (1 + self.tolerance) * new:
+                return self._hit(cached)
+        with self._lock:
+            self.misses += 1
+            self._lengths = fresh
+        return [lengths_to_hex(t) for t in fresh]
+
+    def _hit(self, cached: list[np.ndarray]) -> list[str]:
+        with self._lock:
+            self.hits += 1
+        return [lengths_to_hex(t) for t in cached]
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    used = counts[counts > 0].astype(np.float64)
+    if len(used) == 0:
+        return 0.0
+    return float(-(used * np.log2(used / used.sum())).sum())
+
+
+def _histograms(data: np.ndarray, column_tables: np.ndarray) -> list[np.ndarray]:
+    """Byte counts per table; above ~1 MB from a row sample, with every byte value kept
+    codable (a sample can miss a rare value the batch holds)."""
+    groups = int(column_tables.max()) + 1 if len(column_tables) else 1
+    n = data.shape[0]
+    sample = data
+    if data.size > _SAMPLE_BYTES and n > 1:
+        sample = data[:: max(1, data.size // _SAMPLE_BYTES)]
+    index = sample.astype(np.int64) + (column_tables * _ALPHABET)[None, :]
+    counts = np.bincount(index.ravel(), minlength=groups * _ALPHABET).reshape(groups, _ALPHABET)
+    if sample is not data:
+        counts += 1
+    return list(counts)
+
+
+def column_runs(column_tables: np.ndarray) -> list[list[int]]:
+    """The metadata form of ``column_tables``: runs of [table, count]."""
+    runs: list[list[int]] = []
+    for t in column_tables.tolist():
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(t), 1])
+    return runs
+
+
+def columns_from_runs(runs: object, tables: int) -> np.ndarray:
+    """Inverse of :func:`column_runs`.
+
+    Raises:
+        CodecError: the runs are malformed or name a table that does not exist.
+    """
+    try:
+        pairs = [(int(t), int(c)) for t, c in runs]  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise CodecError(f"malformed Huffman column runs {runs!r}") from None
+    if any(not 0 <= t < tables or c < 0 for t, c in pairs):
+        raise CodecError(f"Huffman column runs {runs!r} name a missing table")
+    return np.repeat([t for t, _ in pairs], [c for _, c in pairs]).astype(np.int64)

@@ -1,0 +1,301 @@
+"""``asymmetric`` and ``symmetric``: per-row uniform quantization to 2, 3, 4 or 8 bits.
+
+Format (both codecs, format version 1). Each row ``x`` is one ``payload`` entry in FBGEMM's
+fused n-bit row layout: the codes ``q`` (``bits`` bits each, packed as in ``packing.py``), then
+``scale``, then ``bias``; the row decodes to ``scale * q + bias``.
+
+- ``asymmetric``: the codes span the row's own range [min, max] and ``bias`` is its min: exactly
+  FBGEMM's fused row, which FBGEMM decodes in place.
+- ``symmetric``: the codes span [-max|x|, max|x|] on a grid that holds 0 exactly; only
+  ``scale`` is stored, ``bias = -2**(bits-1) * scale``.
+
+Parameters are fp16 when every row of the batch fits fp16 without loss of accuracy (always, for
+trained embeddings), else fp32 for the whole batch (the file's ``param_dtype``): rows beyond
+fp16's range, rows so narrow that their step is subnormal in fp16, and rows whose offset fp16
+cannot place within half a step. Per element the error is at most half a step (``scale / 2``)
+plus the rounding of ``scale`` and ``bias`` to that dtype.
+
+Encoding uses FBGEMM's row-wise op where it applies and is fastest (2 and 4 bits, fp16
+parameters, rows whose packed width is even, CPU) and a vectorised torch path otherwise (3 and
+8 bits, fp32 parameters, odd widths, other devices); the torch path reproduces FBGEMM's bytes
+exactly (tested), so both write one format. Decoding uses FBGEMM's op for fp16 rows of 2, 4 or
+8 bits and torch for the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+with contextlib.suppress(ImportError):
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm; without it, the torch path)
+
+from embckpt.codecs.base import EncodedRows, register
+from embckpt.codecs.common import (
+    DEFAULT_ENTROPY,
+    PAYLOAD,
+    StagedCodec,
+    check_bits,
+    float_rows,
+    param_tables,
+    require_finite,
+)
+from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes
+from embckpt.errors import CodecError, ConfigError
+
+QUANT_BITS = (2, 3, 4, 8)
+PARAM_DTYPES = ("auto", "float16", "float32")
+_FP16_SAFE_MAX = 65000.0
+_FP16_MIN_NORMAL = 2.0**-14
+_FP16_REL = 2.0**-11
+
+
+def _has_fbgemm() -> bool:
+    return hasattr(torch.ops.fbgemm, "FusedNBitRowwiseQuantizedSBHalfToFloat")
+
+
+def fbgemm_fits(x: torch.Tensor, bits: int) -> bool:
+    """Whether FBGEMM's n-bit row ops can quantize ``x`` [n, cols] at ``bits``."""
+    # FBGEMM's 8-bit n-bit op measured half as fast as the torch path (same bytes out).
+    return (
+        bits in (2, 4)
+        and x.device.type == "cpu"
+        and x.shape[0] > 0
+        and (x.shape[1] * bits) % 16 == 0
+        and hasattr(
+            torch.ops.fbgemm, "FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax"
+        )
+    )
+
+
+def half_params_fit(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> bool:
+    """Whether fp16 ``scale`` and ``bias`` represent every row's range [lo, hi] faithfully."""
+    levels = (1 << bits) - 1
+    lo, hi = lo.float(), hi.float()
+    lo16 = lo.half().float()
+    width = hi - lo
+    scale = width / levels
+    constant = width == 0
+    ok = torch.maximum(lo.abs(), hi.abs()) < _FP16_SAFE_MAX
+    ok &= constant | (scale >= _FP16_MIN_NORMAL)
+    allowed = torch.where(constant, lo.abs() * _FP16_REL, 0.5 * scale)
+    ok &= (lo - lo16).abs() <= allowed
+    return bool(ok.all())
+
+
+def quantize_affine(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, half: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes each row of ``x`` onto ``2**bits`` levels spanning its [lo, hi].
+
+    Values outside [lo, hi] clamp to the end levels. With ``half``, this follows FBGEMM exactly:
+    ``bias = fp16(lo)``, ``scale = fp16((hi - bias) / (2**bits - 1))`` (1 where that is 0), codes
+    ``rint((x - bias) / scale)``.
+
+    Returns:
+        Packed codes [n, ceil(cols * bits / 8)] and params [n, 4 or 8] (``scale`` then
+        ``bias``, fp16 or fp32 bytes), both uint8 on ``x``'s device.
+    """
+    levels = (1 << bits) - 1
+    if half and fbgemm_fits(x, bits):
+        minmax = torch.stack([lo.float(), hi.float()], dim=1)
+        op = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax
+        fused = op(x, bits, minmax)
+        width = packed_width(x.shape[1], bits)
+        return fused[:, :width], fused[:, width:]
+    if half:
+        bias = lo.float().half().float()
+        span = hi.float() - bias
+        scale = torch.where(span == 0, 1.0, span / levels).half().float()
+        inverse = 1.0 / scale
+        bad = (scale == 0) | torch.isinf(inverse)
+        scale = torch.where(bad, 1.0, scale)
+        inverse = torch.where(bad, 1.0, inverse)
+        codes = (x - bias[:, None]).mul_(inverse[:, None]).round_().clamp_(0, levels)
+        params = torch.stack([scale.half(), bias.half()], dim=1).view(torch.uint8)
+    else:
+        # fp32 parameters serve the rows fp16 cannot; float64 arithmetic keeps huge values
+        # (|x| near fp32's maximum) from overflowing on the way.
+        bias64 = lo.double()
+        span = hi.double() - bias64
+        scale = torch.where(span == 0, 1.0, span / levels).float()
+        scale = torch.where(scale == 0, 1.0, scale)
+        codes = (x.double() - bias64[:, None]).div_(scale.double()[:, None])
+        codes = codes.round_().clamp_(0, levels)
+        params = torch.stack([scale, bias64.float()], dim=1).view(torch.uint8)
+    return pack_codes(codes.to(torch.uint8), bits), params
+
+
+def dequantize_fused(fused: np.ndarray, bits: int, cols: int, dtype: type) -> torch.Tensor:
+    """Decodes fused rows [n, w + 2 * itemsize] (codes, ``scale``, ``bias`` of ``dtype``).
+
+    fp16 parameters on FBGEMM-sized rows decode through FBGEMM; the rest through torch, in
+    float64 for fp32 parameters so that huge rows do not overflow before the final rounding.
+    """
+    n = fused.shape[0]
+    width = packed_width(cols, bits)
+    if (
+        dtype == np.float16
+        and n
+        and bits in (2, 4, 8)
+        and (cols * bits) % 16 == 0
+        and _has_fbgemm()
+    ):
+        op = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat
+        return op(torch.from_numpy(np.array(fused, copy=True)), bits)
+    params = np.ascontiguousarray(fused[:, width:]).view(dtype).astype(np.float64)
+    compute = torch.float64 if dtype == np.float32 else torch.float32
+    codes = unpack_codes(torch.from_numpy(np.array(fused[:, :width], copy=True)), bits, cols)
+    scale = torch.from_numpy(params[:, 0]).to(compute)
+    bias = torch.from_numpy(params[:, 1]).to(compute)
+    return codes.to(compute).mul_(scale[:, None]).add_(bias[:, None]).float()
+
+
+class UniformCodec(StagedCodec):
+    """Per-row uniform quantization; subclasses choose each row's range.
+
+    Args:
+        bits: code width: 2, 3, 4 or 8.
+        entropy: entropy stage over the packed codes (see ``common.py``).
+        param_dtype: ``auto`` (fp16 unless a row needs fp32), ``float16`` (refuse rows fp16
+            cannot hold) or ``float32``.
+    """
+
+    format_version: ClassVar[int] = 1
+    bias_stored: ClassVar[bool] = True
+
+    def __init__(
+        self, bits: int = 4, entropy: str = DEFAULT_ENTROPY, param_dtype: str = "auto"
+    ) -> None:
+        super().__init__(entropy)
+        self.bits = check_bits(self.codec_id, bits, QUANT_BITS)
+        if param_dtype not in PARAM_DTYPES:
+            raise ConfigError(
+                f"codec {self.codec_id!r}: param_dtype must be one of {PARAM_DTYPES}, "
+                f"got {param_dtype!r}"
+            )
+        self.param_dtype = param_dtype
+
+    def _options(self) -> dict[str, Any]:
+        return {"bits": self.bits, "entropy": self.entropy, "param_dtype": self.param_dtype}
+
+    def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's quantization range [lo, hi] (per-row vectors)."""
+        raise NotImplementedError
+
+    def _plan(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Each row's range and whether fp16 parameters hold the whole batch."""
+        lo, hi = self._ranges(x)
+        fits = half_params_fit(lo, hi, self.bits) if lo.numel() else True
+        return lo, hi, self._half(fits)
+
+    def _half(self, fits: bool) -> bool:
+        if self.param_dtype == "float16" and not fits:
+            raise CodecError(
+                f"codec {self.codec_id!r}: rows exceed what fp16 parameters can hold; "
+                "use param_dtype 'auto' or 'float32'"
+            )
+        return self.param_dtype == "float16" or (self.param_dtype == "auto" and fits)
+
+    def _param_bytes(self, half: bool) -> int:
+        return (2 if half else 4) * (2 if self.bias_stored else 1)
+
+    def encode(self, rows: torch.Tensor) -> EncodedRows:
+        x = float_rows(rows, self.codec_id, check=False)
+        lo, hi, half = self._plan(x)
+        # NaN and infinities propagate into every row's range: checking the ranges is enough.
+        if lo.numel() and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            require_finite(x, self.codec_id)
+        codes, params = quantize_affine(x, lo, hi, self.bits, half)
+        if self.bias_stored:
+            fused = _join(codes, params)
+        else:
+            # The scale itself, not the quantizer's: for an all-zero row FBGEMM stores 1.0,
+            # which with an implied bias would decode to -2**(bits-1).
+            scale = (hi - lo) / ((1 << self.bits) - 1)
+            scale = scale.to(torch.float16 if half else torch.float32)[:, None]
+            fused = torch.cat([codes, scale.view(torch.uint8)], dim=1)
+        width = codes.shape[1]
+        tables = param_tables(width, fused.shape[1] - width)
+        column, meta, hint = self._payload_column(fused.cpu().numpy(), tables)
+        meta["param_dtype"] = "float16" if half else "float32"
+        return EncodedRows(columns={PAYLOAD: column}, metadata=meta, compression=hint)
+
+    def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
+        dtype = {"float16": np.float16, "float32": np.float32}.get(
+            str(encoded.metadata.get("param_dtype", "float16"))
+        )
+        if dtype is None:
+            raise CodecError(f"unknown param_dtype {encoded.metadata.get('param_dtype')!r}")
+        width = packed_width(num_cols, self.bits)
+        fused = self._payload_bytes(encoded, width + self._param_bytes(dtype == np.float16))
+        if not self.bias_stored:
+            scale = np.ascontiguousarray(fused[:, width:]).view(dtype)
+            # The symmetric grid's offset is a power-of-two multiple of its scale: exact in
+            # the parameters' own dtype, so the fused decode (FBGEMM's) applies unchanged.
+            bias = (-np.float64(1 << (self.bits - 1)) * scale.astype(np.float64)).astype(dtype)
+            fused = np.concatenate([fused, bias.view(np.uint8)], axis=1)
+        return dequantize_fused(fused, self.bits, num_cols, dtype)
+
+
+def _join(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Codes and params as one fused row, without a copy when they already are one."""
+    if (
+        codes.shape[0]
+        and codes.stride(0) == params.stride(0) == codes.shape[1] + params.shape[1]
+        and codes.stride(1) == 1
+        and params.data_ptr() == codes.data_ptr() + codes.shape[1]
+    ):
+        return codes.as_strided((codes.shape[0], codes.stride(0)), (codes.stride(0), 1))
+    return torch.cat([codes, params], dim=1)
+
+
+@register
+class AsymmetricCodec(UniformCodec):
+    """Each row's own [min, max] on ``2**bits`` levels: FBGEMM's row-wise quantization."""
+
+    codec_id = "asymmetric"
+
+    def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.amin(dim=1), x.amax(dim=1)
+
+
+@register
+class SymmetricCodec(UniformCodec):
+    """Each row on a grid symmetric about 0, ``scale = max|x| / (2**(bits-1) - 1)``.
+
+    Zero and ``±max|x|`` are exact, one code (the most negative) goes unused, and only the
+    scale is stored: 2 bytes per row instead of 4.
+    """
+
+    codec_id = "symmetric"
+    bias_stored = False
+
+    def _plan(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        half_levels = 1 << (self.bits - 1)
+        levels = (1 << self.bits) - 1
+        peak = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+        wanted = peak.double() / (half_levels - 1)
+        fits = bool((peak * half_levels / (half_levels - 1) < _FP16_SAFE_MAX).all()) and bool(
+            ((peak == 0) | (wanted >= _FP16_MIN_NORMAL)).all()
+        )
+        half = self._half(fits)
+        scale = _round_up(wanted, torch.float16 if half else torch.float32)
+        lo = -half_levels * scale
+        hi = (levels - half_levels) * scale
+        return (lo.float(), hi.float(), half) if half else (lo, hi, half)
+
+
+def _round_up(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative ``value`` (float64) rounded to ``dtype``, then up one step where rounding
+    went down, so that ``max|x|`` stays on the grid; returned as float64."""
+    rounded = value.to(dtype)
+    if dtype == torch.float16:
+        # Positive floats order like their bit patterns: one more is the next value up.
+        bumped = (rounded.view(torch.int16) + 1).view(torch.float16)
+    else:
+        bumped = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.double() < value, bumped, rounded).double()

@@ -1,0 +1,441 @@
+"""Row codecs: round trips within each codec's error bound at every bit width, edge-case rows,
+the registry and config mapping, the Huffman stage, and exponent-coded deltas over many
+checkpoints. Every round trip goes through a real Parquet row file (codecs.testing)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from embckpt.codecs import Codec, codec_for, codec_from_config, make_codec
+from embckpt.codecs import huffman as hm
+from embckpt.codecs.adaptive import AdaptiveCodec, greedy_ranges, range_loss
+from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes
+from embckpt.codecs.testing import encoded_bytes_per_row, round_trip
+from embckpt.codecs.uniform import AsymmetricCodec, quantize_affine
+from embckpt.config import CheckpointConfig
+from embckpt.errors import CodecError, ConfigError, UnknownCodecError
+
+BITS = (2, 3, 4, 8)
+UNIFORM = ("symmetric", "asymmetric", "adaptive")
+LOSSY = ("fp16", "bf16", *UNIFORM, "kmeans", "exponent")
+STAGES = ("none", "huffman", "zstd")
+#: Every lossy codec at every bit width it takes (None: it takes none).
+LOSSY_WIDTHS = [(c, b) for c in LOSSY for b in ((None,) if c in ("fp16", "bf16") else BITS)]
+
+
+def _rows(n: int = 300, cols: int = 16, seed: int = 0) -> torch.Tensor:
+    """Embedding-like rows: per-row scale and offset, a few outliers."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, cols, generator=g) * torch.rand(n, 1, generator=g) * 0.2
+    x += torch.randn(n, 1, generator=g) * 0.01
+    x[::17, cols // 2] *= 6.0
+    return x
+
+
+def _codec(codec_id: str, bits: int | None, entropy: str = "none") -> Codec:
+    options: dict = {"entropy": entropy}
+    if bits is not None:
+        options["bits"] = bits
+    return make_codec(codec_id, options)
+
+
+def _bound(codec_id: str, bits: int | None, x: torch.Tensor) -> torch.Tensor:
+    """Per-element error bound [n, 1] (or [n, cols]) of each codec on rows ``x``."""
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    peak = x.abs().amax(1, keepdim=True)
+    rounding = 2.0**-9 * peak + 1e-30  # fp16 scale and bias
+    if codec_id == "fp16":
+        return x.abs() * 2.0**-11 + 2.0**-25
+    if codec_id == "bf16":
+        return x.abs() * 2.0**-8 + 1e-38
+    assert bits is not None
+    levels = (1 << bits) - 1
+    if codec_id == "asymmetric":
+        return 0.5 * (hi - lo) / levels + rounding
+    if codec_id == "symmetric":
+        return 0.5 * peak / ((1 << (bits - 1)) - 1) + rounding
+    if codec_id == "adaptive":
+        # Clipping can cost up to the clipped share of the range, on top of half a step.
+        ratio = AdaptiveCodec(bits=bits).ratio
+        return 0.5 * (hi - lo) / levels + ratio * (hi - lo) + rounding
+    if codec_id == "kmeans":
+        return (hi - lo) + rounding
+    if codec_id == "exponent":
+        return x.abs() + 1e-30
+    raise AssertionError(codec_id)
+
+
+# -- round trips within bounds --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("codec_id", "bits"), LOSSY_WIDTHS)
+def test_round_trip_within_bound(codec_id: str, bits: int | None) -> None:
+    x = _rows()
+    for entropy in STAGES:
+        codec = _codec(codec_id, bits, entropy)
+        decoded = round_trip(codec, x)
+        err = (decoded - x).abs()
+        assert bool((err <= _bound(codec_id, bits, x)).all()), (codec_id, bits, entropy, err.max())
+        assert codec_from_config(codec.get_config()).get_config() == codec.get_config()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_error_ordering_on_gaussian_rows(bits: int) -> None:
+    """Symmetric >= asymmetric >= adaptive, kmeans below asymmetric: Check-N-Run's ordering."""
+    x = torch.randn(400, 64, generator=torch.Generator().manual_seed(1)) * 0.05
+    err = {
+        cid: float((round_trip(_codec(cid, bits), x) - x).norm(dim=1).mean())
+        for cid in ("symmetric", "asymmetric", "adaptive", "kmeans")
+    }
+    assert err["adaptive"] < err["asymmetric"] < err["symmetric"], err
+    assert err["kmeans"] < err["asymmetric"], err
+
+
+def test_raw_is_bit_exact_even_for_nan_and_inf() -> None:
+    x = _rows(20, 6)
+    x[3, 2], x[4, 0], x[5, 5] = float("nan"), float("inf"), -float("inf")
+    for entropy in STAGES:
+        decoded = round_trip(make_codec("raw", {"entropy": entropy}), x)
+        assert torch.equal(decoded.view(torch.int32), x.view(torch.int32))
+    # The default raw codec writes exactly what it wrote before entropy stages existed.
+    assert make_codec("raw").get_config() == {"id": "raw", "version": 1}
+    assert dict(make_codec("raw").encode(x).metadata) == {"dtype": "float32"}
+
+
+def test_row_range_reads_decode_a_subset() -> None:
+    x = _rows(500, 12)
+    for codec_id, bits in (("asymmetric", 3), ("kmeans", 4), ("exponent", 2), ("fp16", None)):
+        for entropy in STAGES:
+            # Fresh codecs: kmeans seeds its codebook from the previous batch it encoded.
+            whole = round_trip(_codec(codec_id, bits, entropy), x)
+            part = round_trip(_codec(codec_id, bits, entropy), x, row_range=(130, 377))
+            assert torch.equal(part, whole[130:377]), (codec_id, entropy)
+
+
+@pytest.mark.parametrize("cols", [1, 5, 7, 64])
+def test_odd_widths_and_generic_path(cols: int) -> None:
+    x = _rows(50, cols)
+    for codec_id in ("symmetric", "asymmetric", "adaptive", "kmeans", "exponent"):
+        for bits in BITS:
+            decoded = round_trip(_codec(codec_id, bits), x)
+            assert bool(((decoded - x).abs() <= _bound(codec_id, bits, x)).all()), (codec_id, bits)
+
+
+def test_fbgemm_and_torch_paths_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import embckpt.codecs.uniform as uniform
+
+    x = _rows(400, 32)
+    lo, hi = x.amin(1), x.amax(1)
+    for bits in (2, 4, 8):
+        fast = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
+        with monkeypatch.context() as m:
+            m.setattr(uniform, "fbgemm_fits", lambda *_: False)
+            slow = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), bits
+
+
+# -- edge-case rows -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_id", LOSSY)
+def test_constant_and_zero_rows(codec_id: str) -> None:
+    x = _rows(40, 8)
+    x[0] = 0.0
+    x[1] = 0.37
+    x[2] = -1234.5
+    x[3, :] = 1e-3
+    bits = None if codec_id in ("fp16", "bf16") else 4
+    decoded = round_trip(_codec(codec_id, bits), x)
+    assert torch.equal(decoded[0], torch.zeros(8)), codec_id
+    if codec_id != "exponent":  # a delta codec keeps only the largest buckets
+        for r in (1, 2, 3):
+            assert torch.allclose(decoded[r], x[r], rtol=2.0**-7, atol=0), (codec_id, decoded[r])
+
+
+@pytest.mark.parametrize("codec_id", LOSSY)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_are_refused(codec_id: str, bad: float) -> None:
+    x = _rows(30, 8)
+    x[17, 5] = bad
+    bits = None if codec_id in ("fp16", "bf16") else 4
+    with pytest.raises(CodecError, match="row 17"):
+        _codec(codec_id, bits).encode(x)
+
+
+@pytest.mark.parametrize("codec_id", ["symmetric", "asymmetric", "adaptive", "kmeans", "bf16"])
+@pytest.mark.parametrize("magnitude", [1e30, 1e5, 1e-6, 1e-30])
+def test_large_and_tiny_magnitudes(codec_id: str, magnitude: float) -> None:
+    """Rows fp16 parameters cannot hold switch the file to fp32 parameters, keeping the
+    relative error of every row; nothing overflows or flushes to zero."""
+    x = _rows(60, 16) / 0.2 * magnitude
+    x[5] = _rows(1, 16)[0]  # an ordinary row beside them
+    bits = None if codec_id == "bf16" else 4
+    codec = _codec(codec_id, bits)
+    decoded = round_trip(codec, x)
+    assert bool(torch.isfinite(decoded).all())
+    bound = _bound(codec_id, bits, x) if codec_id != "kmeans" else None
+    if bound is not None:
+        assert bool(((decoded - x).abs() <= bound * (1 + 1e-6)).all()), codec_id
+    rel = ((decoded.double() - x.double()).norm(dim=1) / x.double().norm(dim=1)).max()
+    assert rel < 0.2, (codec_id, rel)
+    meta = codec.encode(x).metadata
+    if codec_id != "bf16" and magnitude in (1e30, 1e5, 1e-6, 1e-30):
+        assert meta["param_dtype"] == "float32"
+
+
+def test_fp16_refuses_values_beyond_its_range() -> None:
+    x = _rows(10, 4)
+    x[7, 1] = 1e5
+    with pytest.raises(CodecError, match="row 7"):
+        make_codec("fp16").encode(x)
+    round_trip(make_codec("bf16"), x)
+    # Sums that overflow (values near fp32's maximum) are not mistaken for infinities.
+    huge = torch.full((4, 8), 3e38)
+    huge[1] = -3e38
+    for codec_id in ("bf16", "asymmetric", "exponent"):
+        decoded = round_trip(make_codec(codec_id), huge)
+        assert bool(torch.isfinite(decoded).all()), codec_id
+
+
+def test_empty_batch() -> None:
+    x = torch.zeros(0, 16)
+    for codec_id in LOSSY:
+        bits = None if codec_id in ("fp16", "bf16") else 3
+        for entropy in STAGES:
+            assert round_trip(_codec(codec_id, bits, entropy), x).shape == (0, 16)
+
+
+def test_rows_on_other_dtypes_and_non_contiguous() -> None:
+    x = _rows(64, 32)
+    for source in (x.double(), x.half(), x.t().contiguous().t()):
+        decoded = round_trip(make_codec("asymmetric", {"bits": 8}), source)
+        assert decoded.dtype == torch.float32
+        assert float((decoded - x).abs().max()) < 0.01
+
+
+# -- packing, adaptive search, kmeans, exponent ---------------------------------------------
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_codes_inverts_and_matches_fbgemm_layout(bits: int) -> None:
+    g = torch.Generator().manual_seed(bits)
+    for k in (1, 3, 8, 13, 64):
+        codes = torch.randint(0, 1 << bits, (9, k), generator=g, dtype=torch.uint8)
+        packed = pack_codes(codes, bits)
+        assert packed.shape == (9, packed_width(k, bits))
+        assert torch.equal(unpack_codes(packed, bits, k), codes)
+    if bits in (2, 4):
+        x = torch.tensor([[0.0, 1.0, 2.0, 3.0] * 4])
+        fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits)
+        width = packed_width(16, bits)
+        assert torch.equal(
+            pack_codes(unpack_codes(fused[:, :width], bits, 16), bits), fused[:, :width]
+        )
+
+
+def _param_search_greedy(x: np.ndarray, bits: int, n_bins: int, steps: int) -> tuple[float, float]:
+    """caffe2's param_search_greedy for one row, written plainly (the reference)."""
+    levels = (1 << bits) - 1
+
+    def loss(lo: float, hi: float) -> float:
+        lo16 = float(np.float16(lo))
+        scale = float(np.float16((hi - lo16) / levels)) if hi > lo16 else 1.0
+        q = np.clip(np.round((x - lo16) / scale), 0, levels)
+        return float(np.sum((x - (q * scale + lo16)) ** 2))
+
+    xmin, xmax = float(x.min()), float(x.max())
+    step = (xmax - xmin) / n_bins
+    lo, hi, cur = xmin, xmax, loss(xmin, xmax)
+    best = (float("inf"), xmin, xmax)
+    for _ in range(steps):
+        up, down = loss(lo + step, hi), loss(lo, hi - step)
+        if cur < up and cur < down and cur < best[0]:
+            best = (cur, lo, hi)
+        lo, hi, cur = (lo + step, hi, up) if up < down else (lo, hi - step, down)
+    return best[1], best[2]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_vectorised_greedy_search_matches_reference(bits: int) -> None:
+    x = _rows(40, 24, seed=bits)
+    codec = AdaptiveCodec(bits=bits)
+    steps = math.floor(codec.n_bins * codec.ratio + 1e-9)
+    lo, hi = greedy_ranges(x, x.amin(1), x.amax(1), bits, codec.n_bins, steps, True)
+    levels = (1 << bits) - 1
+    for r in range(len(x)):
+        ref = _param_search_greedy(x[r].double().numpy(), bits, codec.n_bins, steps)
+        ours = range_loss(x[r : r + 1], lo[r : r + 1], hi[r : r + 1], levels, True)
+        theirs = range_loss(
+            x[r : r + 1], torch.tensor([ref[0]]), torch.tensor([ref[1]]), levels, True
+        )
+        assert float(ours) <= float(theirs) * (1 + 1e-4) + 1e-12, (r, ref, lo[r], hi[r])
+
+
+def test_adaptive_options_and_format() -> None:
+    codec = make_codec("adaptive", {"bits": 2, "n_bins": 25, "ratio": 0.6})
+    assert codec.get_config()["n_bins"] == 25
+    x = _rows(50, 16)
+    encoded = codec.encode(x)
+    # Same format as asymmetric: the asymmetric decoder reads it.
+    assert torch.equal(AsymmetricCodec(bits=2).decode(encoded, 16), codec.decode(encoded, 16))
+    with pytest.raises(ConfigError):
+        make_codec("adaptive", {"ratio": 1.5})
+
+
+def test_kmeans_codebook_is_per_file_and_cached() -> None:
+    codec = make_codec("kmeans", {"bits": 3})
+    first = codec.encode(_rows(200, 16, seed=1))
+    second = codec.encode(_rows(200, 16, seed=2))
+    for encoded in (first, second):
+        book = encoded.metadata["codebook"]
+        assert len(book) == 8 and book == sorted(book)
+    # The second batch starts from the first's codebook (no refit from scratch).
+    assert codec._codebook is not None
+
+
+def test_exponent_symbols_and_values() -> None:
+    x = torch.tensor([[0.5, -0.5, 0.25, 0.0, 1e-8, 0.75, -0.3, 0.01]])
+    codec = make_codec("exponent", {"bits": 2, "entropy": "none"})
+    encoded = codec.encode(x)
+    values = encoded.metadata["values"]
+    assert len(values) == 3  # the three largest-magnitude (sign, exponent) buckets
+    decoded = round_trip(codec, x)[0]
+    assert decoded[3] == 0 and decoded[4] == 0 and decoded[7] == 0  # dropped
+    assert decoded[0] == decoded[5] == pytest.approx(0.625)  # bucket [0.5, 1): mean of 0.5, 0.75
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_exponent_deltas_stay_bounded_over_20_checkpoints(bits: int) -> None:
+    """Error feedback: each checkpoint encodes the weights minus the reconstruction, so the
+    reconstruction error stays bounded; encoding step-to-step changes lets it grow."""
+    g = torch.Generator().manual_seed(bits)
+    weights = torch.randn(200, 32, generator=g) * 0.05
+    reference = weights.clone()  # as restored from a lossless full checkpoint
+    naive = weights.clone()
+    previous = weights.clone()
+    codec = make_codec("exponent", {"bits": bits})
+    step_size = 0.002
+    errors, naive_errors = [], []
+    for _ in range(20):
+        weights = weights + torch.randn(weights.shape, generator=g) * step_size
+        reference += round_trip(codec, weights - reference)
+        naive += round_trip(codec, weights - previous)
+        previous = weights.clone()
+        errors.append(float((weights - reference).norm(dim=1).mean()))
+        naive_errors.append(float((weights - naive).norm(dim=1).mean()))
+    per_step = step_size * math.sqrt(32)
+    assert max(errors) < 1.5 * per_step, errors
+    assert max(errors[10:]) < 1.5 * max(errors[:10]), errors  # no growth
+    assert naive_errors[-1] > 2 * errors[-1], (naive_errors[-1], errors[-1])
+
+
+# -- Huffman --------------------------------------------------------------------------------
+
+
+def test_huffman_round_trip_and_subset_decode() -> None:
+    rng = np.random.default_rng(0)
+    data = np.minimum(rng.geometric(0.2, size=(300, 21)) - 1, 255).astype(np.uint8)
+    data[:, 17:] = rng.integers(0, 256, size=(300, 4))  # "parameter" bytes: their own tables
+    columns = np.array([0] * 17 + [1, 2, 3, 4])
+    tables = hm.TableCache().tables_for(data, columns)
+    offsets, buffer = hm.encode_rows(data, tables, columns)
+    assert np.array_equal(hm.decode_rows(buffer, offsets, tables, columns), data)
+    assert np.array_equal(hm.decode_rows(buffer, offsets[50:101], tables, columns), data[50:100])
+    for width in (1, 2, 3):  # odd widths end in a single-byte unit
+        part = np.ascontiguousarray(data[:, :width])
+        offsets, buffer = hm.encode_rows(part, tables[:1], columns[:width] * 0)
+        assert np.array_equal(
+            hm.decode_rows(buffer, offsets, tables[:1], columns[:width] * 0), part
+        )
+    counts = np.bincount(data[:, :17].ravel())
+    entropy = -sum(p * math.log2(p) for p in counts / counts.sum() if p > 0)
+    head = np.ascontiguousarray(data[:, :17])
+    offsets, buffer = hm.encode_rows(head, tables[:1], np.zeros(17, dtype=np.int64))
+    assert len(buffer) * 8 < (entropy + 0.1) * head.size + 8 * 300
+
+
+def test_huffman_lengths_are_limited_and_prefix_free() -> None:
+    counts = np.array([2**i for i in range(30)] + [0] * 226)
+    lengths = hm.code_lengths(counts)
+    assert lengths.max() <= hm.MAX_CODE_BITS
+    assert np.sum(2.0 ** -lengths[lengths > 0].astype(float)) <= 1.0
+    with pytest.raises(CodecError):
+        hm.lengths_from_hex("1" * 256)  # 256 one-bit codes cannot be prefix-free
+
+
+def test_huffman_table_cache_reuses_close_tables() -> None:
+    codec = make_codec("asymmetric", {"bits": 4, "entropy": "huffman"})
+    tables = [tuple(codec.encode(_rows(5000, 32, seed=s)).metadata["huffman"]) for s in range(4)]
+    assert len(set(tables)) < len(tables)
+    assert codec._tables.hits >= 1
+
+
+def test_huffman_shrinks_skewed_symbols() -> None:
+    g = torch.Generator().manual_seed(0)
+    # Training deltas: most rows moved a little, a few a lot.
+    delta = torch.randn(500, 64, generator=g) * torch.rand(500, 1, generator=g).pow(4) * 0.01
+    sizes = {
+        e: encoded_bytes_per_row(make_codec("exponent", {"bits": 2, "entropy": e}).encode(delta))
+        for e in ("none", "huffman")
+    }
+    assert sizes["huffman"] < 0.5 * sizes["none"], sizes
+
+
+# -- registry and config --------------------------------------------------------------------
+
+
+def test_codec_for_maps_config() -> None:
+    codec = codec_for(CheckpointConfig(codec="adaptive", bits=3, entropy="huffman"))
+    assert codec.get_config()["bits"] == 3 and codec.get_config()["entropy"] == "huffman"
+    default = codec_for(CheckpointConfig(codec="asymmetric"))
+    assert default.get_config()["entropy"] == type(default)().entropy  # "auto": its own
+    assert codec_for(CheckpointConfig()).get_config() == {"id": "raw", "version": 1}
+    options = CheckpointConfig(codec="kmeans", codec_options={"bits": 2, "iterations": 1})
+    assert codec_for(options).get_config()["iterations"] == 1
+    with pytest.raises(ConfigError, match="conflicts"):
+        codec_for(CheckpointConfig(codec="kmeans", bits=4, codec_options={"bits": 2}))
+    with pytest.raises(ConfigError, match="options are"):
+        codec_for(CheckpointConfig(codec="raw", bits=4))
+    with pytest.raises(ConfigError):
+        CheckpointConfig(codec="asymmetric", bits=5)
+    with pytest.raises(ConfigError):
+        CheckpointConfig(entropy="gzip")
+    with pytest.raises(UnknownCodecError):
+        codec_for(CheckpointConfig(codec="nope"))
+
+
+def test_unknown_version_and_bad_metadata_are_clear_errors() -> None:
+    with pytest.raises(UnknownCodecError, match="newer"):
+        codec_from_config({"id": "kmeans", "version": 2})
+    codec = make_codec("exponent", {"bits": 2})
+    encoded = codec.encode(_rows(5, 4))
+    broken = type(encoded)(columns=encoded.columns, metadata={"entropy": "huffman"})
+    with pytest.raises((CodecError, KeyError)):
+        codec.decode(broken, 4)
+    huff = make_codec("asymmetric", {"bits": 4, "entropy": "huffman"}).encode(_rows(5, 16))
+    meta = {**huff.metadata, "huffman_columns": [[0, 3]]}
+    with pytest.raises(CodecError, match="cover"):
+        make_codec("asymmetric", {"bits": 4}).decode(type(huff)(huff.columns, meta), 16)
+
+
+def test_delta_and_lossless_flags() -> None:
+    assert make_codec("exponent").delta and not make_codec("asymmetric").delta
+    assert make_codec("raw").lossless and not make_codec("fp16").lossless
+    # Row-wise optimizer state stays lossless unless configured otherwise.
+    assert make_codec(CheckpointConfig(codec="kmeans", bits=2).optimizer_codec).lossless
+
+
+def test_parameter_bytes_per_row() -> None:
+    """Per-row parameters: fp16 scale and bias (4 bytes), symmetric's scale alone (2)."""
+    x = _rows(64, 64)
+    for codec_id, expected in (("asymmetric", 32 + 4), ("symmetric", 32 + 2), ("kmeans", 32 + 4)):
+        encoded = make_codec(codec_id, {"bits": 4, "entropy": "none"}).encode(x)
+        assert encoded_bytes_per_row(encoded) == expected, codec_id
+    assert (
+        encoded_bytes_per_row(make_codec("exponent", {"bits": 4, "entropy": "none"}).encode(x))
+        == 32
+    )
