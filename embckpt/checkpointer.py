@@ -146,6 +146,7 @@ class Checkpointer:
         self.base_codec: Codec = make_codec(self.config.base_codec)  # fulls of delta codecs
         self._reference = ReconstructedRows()
         self.restores = 0  # restores this job went through, carried from manifest to manifest
+        self._follow_expected_restores()  # a codec without bits fails here, not at a save
         self.state_codec: Codec = make_codec(self.config.optimizer_codec)
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
         device = (
@@ -194,9 +195,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self._finish_inflight()
-        if self.config.expected_restores is not None:
-            bits = bits_for_restores(self.config.expected_restores, self.restores)
-            self.codec = codec_for(dataclasses.replace(self.config, bits=bits))
+        self._follow_expected_restores()
         decision, dirty = self._decide(step)
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
         handle = PendingCheckpoint(step, future)
@@ -222,6 +221,15 @@ class Checkpointer:
         self._last_blocked_s = handle.blocked_s
         self._inflight = handle
         return handle
+
+    def _follow_expected_restores(self) -> None:
+        """Widens the codes once more restores happened than the job expected (a new codec only
+        when the width changes, so codecs keep their caches)."""
+        if self.config.expected_restores is None:
+            return
+        bits = bits_for_restores(self.config.expected_restores, self.restores)
+        if getattr(self.codec, "bits", None) != bits:
+            self.codec = codec_for(dataclasses.replace(self.config, bits=bits))
 
     def _finish_inflight(self) -> None:
         """Waits for the checkpoint in flight; raises its failure if nobody has seen it."""

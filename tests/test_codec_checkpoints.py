@@ -71,6 +71,19 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
                 "reference_checked": len(reference),
                 "reference_mismatch": mismatched,
             }
+    # Bits from expected restores: 2 bits while at most 1 restore happened, then 3.
+    config = CheckpointConfig(policy="one_shot", codec="adaptive", expected_restores=1)
+    model, opt = tm.build(world_size, seed=0)
+    with Checkpointer(model, f"{root}/restores", optimizer=opt, config=config) as ckpt:
+        tm.train_step(model, opt, 1, rank)
+        widths = [ckpt.save(1).wait().codec["bits"]]
+        ckpt.restore()
+        tm.train_step(model, opt, 2, rank)
+        widths.append(ckpt.save(2).wait().codec["bits"])
+        ckpt.restore()
+        tm.train_step(model, opt, 3, rank)
+        widths.append(ckpt.save(3).wait().codec["bits"])
+    out["widths"] = widths
     return out
 
 
@@ -112,3 +125,9 @@ def test_exponent_deltas_restore_exactly_what_the_writer_reconstructed(results) 
         r = out["exponent3-incremental"]
         assert r["reference_checked"] > 0, rank
         assert r["reference_mismatch"] == [], rank
+
+
+def test_bits_widen_as_restores_exceed_the_plan(results) -> None:
+    # Planned 1 restore: 2 bits; after 1 restore, plan 2 -> 3 bits; after 2, plan 3 -> 3 bits.
+    for out in results:
+        assert out["widths"] == [2, 3, 3]
