@@ -147,6 +147,11 @@ def _demo(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         kill_at=[int(s) for s in args.kill_at.split(",")] if args.kill_at else None,
         failures=args.failures,
+        overrides={
+            k: v
+            for k, v in (("policy", args.policy), ("codec", args.codec), ("bits", args.bits))
+            if v is not None
+        },
     )
 
 
@@ -161,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=None, help="ranks (default 2)")
     demo.add_argument("--kill-at", default=None, help="comma-separated steps to kill workers at")
     demo.add_argument("--failures", type=int, default=None, help="kill at N random steps")
+    demo.add_argument("--policy", default=None, help="override the config's checkpoint policy")
+    demo.add_argument("--codec", default=None, help="override the config's row codec")
+    demo.add_argument("--bits", type=int, default=None, help="override the codec's bit width")
     demo.set_defaults(func=_demo)
 
     merge = sub.add_parser("merge", help="fold a checkpoint's chain into one full checkpoint")

@@ -121,11 +121,18 @@ def run_demo(
     world_size: int | None = None,
     kill_at: list[int] | None = None,
     failures: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> int:
-    """Runs the whole demo and prints its report; returns the process exit code."""
+    """Runs the whole demo and prints its report; returns the process exit code.
+
+    ``overrides`` replaces fields of the config's ``checkpoint`` section (policy, codec, bits).
+    """
     cfg = load_yaml(config_path, DemoConfig) if config_path else DemoConfig()
     cfg = dataclasses.replace(
-        cfg, steps=steps or cfg.steps, world_size=world_size or cfg.world_size
+        cfg,
+        steps=steps or cfg.steps,
+        world_size=world_size or cfg.world_size,
+        checkpoint=dataclasses.replace(cfg.checkpoint, **(overrides or {})),
     )
     every = cfg.checkpoint_every
     if cfg.steps < 2 * every:
