@@ -23,11 +23,10 @@ import torch
 
 from embckpt import dense
 from embckpt.codecs.base import dtype_from_name
-from embckpt.errors import ChainIncompleteError
 from embckpt.reader import apply_staged, default_threads, plan_reads, stage
 from embckpt.restore import read_chain
 from embckpt.sharding import TableShard
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 
 FORMATS = ("dcp", "safetensors")
@@ -73,12 +72,8 @@ def reconstruct(
         CheckpointCorruptError: a file is missing, truncated or altered (named).
     """
     store = CheckpointStore(directory)
-    if step is None:
-        committed = store.committed_steps()
-        if not committed:
-            raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
-        step = committed[-1]
     chain = read_chain(store, step)
+    step = chain[-1].step
     head = chain[-1]
     fqns = _table_keys(head, table_prefix)
     shards = [

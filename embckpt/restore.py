@@ -85,15 +85,22 @@ def read_manifest(store: CheckpointStore, step: int) -> Manifest:
     return manifest
 
 
-def read_chain(store: CheckpointStore, step: int) -> list[Manifest]:
-    """The manifests a restore of ``step`` needs, base (full) first.
+def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
+    """The manifests a restore of ``step`` (the latest committed one if None) needs, base
+    (full) first.
 
     Raises:
-        ChainIncompleteError: a checkpoint of the chain is not committed; the message names
+        ChainIncompleteError: no committed checkpoint (``step`` None), or a checkpoint of the
+            chain is not committed; the message names
             it, the checkpoint that needs it and the steps that are committed.
         CheckpointCorruptError: a manifest is damaged or the chain does not lead to a full
             checkpoint.
     """
+    if step is None:
+        latest = store.committed_steps()
+        if not latest:
+            raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
+        step = latest[-1]
     chain = [read_manifest(store, step)]
     while chain[-1].parent_step is not None:
         child, parent = chain[-1], chain[-1].parent_step
@@ -408,12 +415,8 @@ def describe_restore(directory: str, step: int | None = None) -> tuple[str, bool
     from embckpt.storage.verify import verify
 
     store = CheckpointStore(directory)
-    if step is None:
-        committed = store.committed_steps()
-        if not committed:
-            raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
-        step = committed[-1]
     chain = read_chain(store, step)
+    step = chain[-1].step
     head = chain[-1]
     lines = [f"step {step} of {store.uri}: a chain of {len(chain)} checkpoint(s), base first"]
     for m in chain:
