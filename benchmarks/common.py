@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,38 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **result}, indent=1))
     return path
+
+
+@dataclass
+class Workload:
+    """One rank's reference workload: data, sampler, sharded DLRM and its dense optimizer."""
+
+    config: Any  # WorkloadConfig
+    device: Any
+    dataset: Any
+    sampler: Any
+    model: Any
+    optimizer: Any
+
+    def step(self) -> float:
+        """Trains on this rank's next batch and returns its loss."""
+        from embckpt.examples.model import make_batch, train_step
+
+        batch = make_batch(self.dataset, next(self.sampler), self.config, self.device)
+        return train_step(self.model, self.optimizer, batch)
+
+
+def build_workload(rank: int, world_size: int, cfg: Any, dataset: Any = None) -> Workload:
+    """Builds the workload of ``cfg`` (a DemoConfig) on this rank; reuses ``dataset`` if given."""
+    from embckpt.data import ResumableSampler
+    from embckpt.examples.demo import load_dataset
+    from embckpt.examples.launcher import rank_device
+    from embckpt.examples.model import build_model
+
+    device = rank_device(rank)
+    dataset = dataset if dataset is not None else load_dataset(cfg)
+    sampler = ResumableSampler(
+        len(dataset), cfg.workload.batch_size, rank=rank, world_size=world_size, seed=0
+    )
+    model, optimizer = build_model(cfg.workload, device, world_size)
+    return Workload(cfg.workload, device, dataset, sampler, model, optimizer)

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import write_result  # noqa: E402
+from common import build_workload, write_result  # noqa: E402
 
 from embckpt.config import DemoConfig, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -49,18 +49,13 @@ def _worker(
     from torch.distributed.checkpoint import FileSystemWriter
 
     from embckpt import Checkpointer
-    from embckpt.data import ResumableSampler
-    from embckpt.examples.demo import load_dataset
-    from embckpt.examples.launcher import rank_device
-    from embckpt.examples.model import build_model, make_batch, train_step
+    from embckpt.examples.model import make_batch, train_step
 
-    device = rank_device(rank)
-    dataset = load_dataset(cfg)
-    sampler = ResumableSampler(
-        len(dataset), cfg.workload.batch_size, rank=rank, world_size=world_size, seed=0
-    )
-    model, optimizer = build_model(cfg.workload, device, world_size)
-    batches = [make_batch(dataset, next(sampler), cfg.workload, device) for _ in range(64)]
+    work = build_workload(rank, world_size, cfg)
+    model, optimizer = work.model, work.optimizer
+    batches = [
+        make_batch(work.dataset, next(work.sampler), cfg.workload, work.device) for _ in range(64)
+    ]
     step = 0
 
     def run(n: int, after_step) -> list[float]:

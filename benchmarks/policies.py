@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, build_workload, write_result  # noqa: E402
 
 from embckpt.config import DemoConfig, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -38,26 +38,18 @@ def _worker(
     import torch.distributed as dist
 
     from embckpt import Checkpointer
-    from embckpt.data import ResumableSampler
     from embckpt.examples.demo import load_dataset
-    from embckpt.examples.launcher import rank_device
-    from embckpt.examples.model import build_model, make_batch, train_step
 
-    device = rank_device(rank)
     dataset = load_dataset(cfg)
     runs: dict[str, Any] = {}
     for policy in POLICIES:
-        sampler = ResumableSampler(
-            len(dataset), cfg.workload.batch_size, rank=rank, world_size=world_size, seed=0
-        )
-        model, optimizer = build_model(cfg.workload, device, world_size)
+        work = build_workload(rank, world_size, cfg, dataset)
         config = dataclasses.replace(cfg.checkpoint, policy=policy)
         directory = Path(root) / policy
         records = []
-        with Checkpointer(model, directory, optimizer=optimizer, config=config) as ckpt:
+        with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ckpt:
             for step in range(1, intervals * every + 1):
-                batch = make_batch(dataset, next(sampler), cfg.workload, device)
-                train_step(model, optimizer, batch)
+                work.step()
                 if step % every:
                     continue
                 manifest = ckpt.save(step).wait()

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import write_result  # noqa: E402
+from common import build_workload, write_result  # noqa: E402
 
 from embckpt.config import DemoConfig, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -43,25 +43,17 @@ def _worker(
     import torch
 
     from embckpt import Checkpointer
-    from embckpt.data import ResumableSampler
-    from embckpt.examples.demo import load_dataset
-    from embckpt.examples.launcher import rank_device
-    from embckpt.examples.model import build_model, make_batch, train_step
     from embckpt.storage.verify import verify
 
-    device = rank_device(rank)
-    dataset = load_dataset(cfg)
-    sampler = ResumableSampler(
-        len(dataset), cfg.workload.batch_size, rank=rank, world_size=world_size, seed=0
-    )
-    model, optimizer = build_model(cfg.workload, device, world_size)
+    work = build_workload(rank, world_size, cfg)
+    model, optimizer, sampler = work.model, work.optimizer, work.sampler
     ckpt = Checkpointer(
         model, root, optimizer=optimizer, config=cfg.checkpoint, statefuls={"data": sampler}
     )
     saves: list[dict[str, Any]] = []
     restores: list[dict[str, Any]] = []
     for step in range(1, checkpoints + 1):
-        train_step(model, optimizer, make_batch(dataset, next(sampler), cfg.workload, device))
+        work.step()
         started = time.perf_counter()
         manifest = ckpt.save(step).wait()
         assert manifest is not None

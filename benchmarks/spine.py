@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import write_result  # noqa: E402
+from common import build_workload, write_result  # noqa: E402
 
 from embckpt.config import DemoConfig, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -35,17 +35,9 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, mode: str) -
     import torch.distributed.checkpoint as dcp
 
     from embckpt import Checkpointer
-    from embckpt.data import ResumableSampler
-    from embckpt.examples.demo import load_dataset
-    from embckpt.examples.launcher import rank_device
-    from embckpt.examples.model import build_model, make_batch, train_step
 
-    device = rank_device(rank)
-    dataset = load_dataset(cfg)
-    sampler = ResumableSampler(
-        len(dataset), cfg.workload.batch_size, rank=rank, world_size=world_size, seed=0
-    )
-    model, optimizer = build_model(cfg.workload, device, world_size)
+    work = build_workload(rank, world_size, cfg)
+    model, optimizer = work.model, work.optimizer
     checkpoints: list[dict[str, Any]] = []
     step_times: list[float] = []
     ckpt = None
@@ -54,7 +46,7 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, mode: str) -
         ckpt = Checkpointer(model, f"{root}/{mode}", optimizer=optimizer, config=config)
     for step in range(1, cfg.steps + 1):
         started = time.perf_counter()
-        train_step(model, optimizer, make_batch(dataset, next(sampler), cfg.workload, device))
+        work.step()
         step_times.append(time.perf_counter() - started)
         if step % cfg.checkpoint_every:
             continue
