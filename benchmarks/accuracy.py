@@ -30,6 +30,7 @@ from embckpt.config import DemoConfig, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 
 HOLDOUT = 0.1
+BIT_COLORS = {2: "#1f77b4", 3: "#2ca02c", 4: "#ff7f0e", 8: "#d62728"}
 
 
 def failure_steps(steps: int, every: int, failures: int) -> list[int]:
@@ -127,6 +128,7 @@ def _plot(rows: list[dict[str, Any]], spread: float, path: Path) -> None:
                 [p[0] for p in points],
                 [100 * p[1] for p in points],
                 marker="o",
+                color=BIT_COLORS.get(bits),
                 label=f"{bits} bits",
             )
         ax.axhspan(
@@ -137,11 +139,12 @@ def _plot(rows: list[dict[str, Any]], spread: float, path: Path) -> None:
             label="seed-to-seed spread (failure-free)",
         )
         ax.axhline(0, color="black", lw=0.8)
-        ax.set_title(codec)
+        ax.set_title(f"{codec} (mean over seeds)")
         ax.set_xlabel("restores during training")
+        ax.set_xticks(sorted({r["failures"] for r in rows}))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("final AUC minus failure-free AUC (percentage points)")
-    axes[0][-1].legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0][0].set_ylabel("final AUC minus failure-free AUC\n(percentage points, same seed)")
     fig.suptitle("Accuracy after restores from quantized checkpoints (Check-N-Run Fig. 14)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
