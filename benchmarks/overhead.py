@@ -10,6 +10,9 @@ phases on the same model, each ``--steps`` iterations with a checkpoint every ``
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the same state, one in flight;
 - ``adaptive``: embckpt ``maybe_save`` choosing the interval for a 2% stall bound.
 
+Phases without checkpoints run before, in the middle of and after the others; their pooled
+median iteration time is the baseline.
+
 Stall per checkpoint = (time of the phase - baseline iteration time x iterations) / checkpoints,
 so it counts both the time ``save`` blocks and the slowdown of iterations that overlap a
 background persist (on a 2-core machine the persist competes with training for the cores).
@@ -71,7 +74,7 @@ def _worker(
         return times
 
     phases: dict[str, Any] = {}
-    run(10, lambda s: None)  # warm-up
+    run(60, lambda s: None)  # warm-up: the first iterations are slower (allocator, caches)
     phases["none"] = {"times": run(steps, lambda s: None), "checkpoints": 0}
     for mode in ("sync", "persist", "full"):
         pipeline = {"sync": "off", "persist": "persist", "full": "full"}[mode]
@@ -112,6 +115,7 @@ def _worker(
     if pending:
         pending.pop().result()
     phases["dcp_async"] = {"times": times, "checkpoints": len(blocked), "blocked_s": blocked}
+    phases["none_mid"] = {"times": run(steps, lambda s: None), "checkpoints": 0}
 
     config = dataclasses.replace(
         cfg.checkpoint, pipeline="full", adaptive_interval=True, interval=interval, stall_bound=0.02
@@ -123,12 +127,14 @@ def _worker(
         if ckpt.maybe_save(s) is not None:
             saved.append(s)
 
+    first_step = step + 1
     times = run(adaptive_steps, maybe)
     ckpt.close()
     phases["adaptive"] = {
         "times": times,
         "checkpoints": len(saved),
         "saved_steps": saved,
+        "first_step": first_step,
         "interval": ckpt.interval.interval,
         "interval_history": ckpt.interval.history,
     }
@@ -167,7 +173,11 @@ def main() -> None:
         }
         for name in ranks[0]
     }
-    baseline = statistics.median(phases["none"]["times"] + phases["none_after"]["times"])
+    # Iteration time drifts over a run on a shared machine: the baseline pools every phase
+    # without checkpoints (before, between and after the others).
+    baseline = statistics.median(
+        phases["none"]["times"] + phases["none_mid"]["times"] + phases["none_after"]["times"]
+    )
     table = {}
     for name, phase in phases.items():
         table[name] = {
