@@ -35,14 +35,13 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.codecs import Codec, EncodedRows, codec_for, make_codec
+from embckpt.codecs import Codec, codec_for, make_codec
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import SaveError
 from embckpt.guards import UpdateGuard
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
-from embckpt.reference import ReconstructedRows
 from embckpt.sharding import ShardedModel, discover
 from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.staging import StagingArena
@@ -50,8 +49,8 @@ from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
 from embckpt.storage.retention import apply_retention
-from embckpt.storage.shardfile import encode_file, index_file
 from embckpt.tracking import RowTracker
+from embckpt.writer import RowFileWriter
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +142,16 @@ class Checkpointer:
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(self.config)
         self.codec: Codec = codec_for(self.config)
-        self.base_codec: Codec = make_codec(self.config.base_codec)  # fulls of delta codecs
-        self._reference = ReconstructedRows()
         self.restores = 0  # restores this job went through, carried from manifest to manifest
         self._follow_expected_restores()  # a codec without bits fails here, not at a save
-        self.state_codec: Codec = make_codec(self.config.optimizer_codec)
+        self.writer = RowFileWriter(
+            self.store,
+            state_codec=make_codec(self.config.optimizer_codec),
+            base_codec=make_codec(self.config.base_codec),
+            rank=self.comm.rank,
+            row_group_rows=self.config.row_group_rows,
+            threads=self.config.io_threads,
+        )
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
         device = (
             self.sharded.shards[0].weight.device if self.sharded.shards else torch.device("cpu")
@@ -155,7 +159,6 @@ class Checkpointer:
         self._arena = StagingArena(self.config.staging_budget_bytes, device)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._persister = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
-        self._io = concurrent.futures.ThreadPoolExecutor(self.config.io_threads, "embckpt-io")
         self._inflight: PendingCheckpoint | None = None
         self._guard = UpdateGuard(model, optimizer) if self.config.pipeline == "full" else None
         self.interval = AdaptiveInterval(self.config.interval, self.config.stall_bound)
@@ -272,7 +275,7 @@ class Checkpointer:
         decision = self.policy.decide(
             PolicyInput(step, dirty["since_last"], dirty["since_full"], history)
         )
-        if self.codec.delta and decision.kind is Kind.DIFF and not self._reference.ready:
+        if self.codec.delta and decision.kind is Kind.DIFF and not self.writer.reference.ready:
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart or a restore).
             decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
@@ -334,7 +337,9 @@ class Checkpointer:
             if snapshot.error is None:
                 try:
                     staged = self._stage_piece(piece)
-                    snapshot.entries.extend(self._write_units(step, staged, snapshot.decision))
+                    snapshot.entries.extend(
+                        self.writer.write(step, staged, snapshot.decision, self.codec)
+                    )
                 except Exception as exc:
                     snapshot.error = exc
         snapshot.pending = pieces[-1]
@@ -398,7 +403,9 @@ class Checkpointer:
         """Writes the last piece's rows and the dense files; returns the error, if any."""
         step = snapshot.step
         try:
-            snapshot.entries.extend(self._write_units(step, snapshot.staged, snapshot.decision))
+            snapshot.entries.extend(
+                self.writer.write(step, snapshot.staged, snapshot.decision, self.codec)
+            )
             if snapshot.dense is not None:
                 written = self.store.write_file(step, DENSE_FILE, dense.encode_tree(snapshot.dense))
                 snapshot.entries.append(_entry(written, "dense", self.comm.rank))
@@ -409,69 +416,6 @@ class Checkpointer:
         except Exception as exc:
             return exc
         return None
-
-    def _write_units(
-        self, step: int, staged: list[StagedUnit], decision: Decision
-    ) -> list[FileEntry]:
-        """Encodes and writes units in parallel (pyarrow, hashing and I/O release the GIL)."""
-        if self.codec.delta:
-            for unit in staged:
-                shard = unit.unit.shard
-                self._reference.ensure(shard.key, (shard.num_rows, shard.num_cols))
-        return list(self._io.map(lambda unit: self._write_block(step, unit, decision), staged))
-
-    def _encode_rows(self, block: StagedUnit, decision: Decision) -> tuple[Codec, EncodedRows]:
-        """Encodes a unit's rows; delta codecs encode against, and update, the reconstruction."""
-        if not self.codec.delta:
-            return self.codec, self.codec.encode(block.weights)
-        key, rows = block.unit.shard.key, block.local_rows
-        cols = block.unit.shard.num_cols
-        if decision.kind is Kind.FULL:
-            encoded = self.base_codec.encode(block.weights)
-            self._reference.set(key, rows, self.base_codec.decode(encoded, cols))
-            return self.base_codec, encoded
-        encoded = self.codec.encode(self._reference.delta(key, rows, block.weights))
-        if decision.view == "since_last":  # incremental: the chain now includes this delta
-            self._reference.add(key, rows, self.codec.decode(encoded, cols))
-        return self.codec, encoded
-
-    def _write_block(self, step: int, block: StagedUnit, decision: Decision) -> FileEntry:
-        codec, encoded = self._encode_rows(block, decision)
-        shard = block.unit.shard
-        global_rows = (block.local_rows + shard.row_offset).numpy()
-        data = encode_file(
-            rows=global_rows,
-            encoded=encoded,
-            row_states={n: t.cpu().numpy() for n, t in block.row_states.items()},
-            elem_states={n: self.state_codec.encode(t) for n, t in block.elem_states.items()},
-            metadata={
-                "table": shard.table,
-                "row_offset": shard.row_offset,
-                "col_offset": shard.col_offset,
-                "cols": shard.num_cols,
-                "codec": codec.get_config(),
-                "state_codec": self.state_codec.get_config(),
-            },
-            row_group_rows=self.config.row_group_rows,
-        )
-        block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}"
-        relative = f"tables/{shard.table}/{block_name}.parquet"
-        written = self.store.write_file(step, relative, data)
-        return FileEntry(
-            path=written.path,
-            bytes=written.bytes,
-            sha256=written.sha256,
-            role="rows",
-            rank=self.comm.rank,
-            table=shard.table,
-            row_offset=shard.row_offset,
-            col_offset=shard.col_offset,
-            shard_rows=shard.num_rows,
-            shard_cols=shard.num_cols,
-            rows=len(global_rows),
-            fqn=shard.fqn,
-            index=index_file(data, written.sha256),
-        )
 
     def _manifest(self, snapshot: _Snapshot, files: list[FileEntry]) -> Manifest:
         full = snapshot.decision.kind is Kind.FULL
@@ -525,7 +469,7 @@ class Checkpointer:
         self._finish_inflight()
         manifest = restore_into(self, step)
         self.head = manifest
-        self._reference.clear()
+        self.writer.reference.clear()
         if manifest is not None:
             self.restores = int(manifest.stats.get("restores", 0)) + 1
         self._next_step = None
@@ -542,7 +486,7 @@ class Checkpointer:
             self._finish_inflight()
         finally:
             self._persister.shutdown(wait=True)
-            self._io.shutdown(wait=True)
+            self.writer.close()
             self.tracker.close()
             if self._guard is not None:
                 self._guard.close()

@@ -52,7 +52,7 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
                         kinds.append(ckpt.save(step).wait().kind)
                 # What the writer believes a restore reproduces (delta codecs only).
                 reference = {
-                    s.key: ckpt._reference._rows[s.key].clone()
+                    s.key: ckpt.writer.reference._rows[s.key].clone()
                     for s in ckpt.sharded.writer_shards()
                     if ckpt.codec.delta and policy == "incremental"
                 }
