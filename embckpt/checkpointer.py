@@ -475,11 +475,6 @@ class Checkpointer:
         self._next_step = None
         return None if manifest is None else manifest.step
 
-    def wait(self) -> Manifest | None:
-        """Waits for the checkpoint in flight, if any, and returns its manifest."""
-        inflight = self._inflight
-        return inflight.wait() if inflight is not None else None
-
     def close(self) -> None:
         """Finishes the checkpoint in flight (raising its failure if unseen), removes hooks."""
         try:

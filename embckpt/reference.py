@@ -25,10 +25,6 @@ class ReconstructedRows:
         """True once a full checkpoint set the base (false at start and after a restore)."""
         return bool(self._rows)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._rows.values())
-
     def clear(self) -> None:
         self._rows.clear()
 

@@ -161,11 +161,6 @@ class RowTracker:
         """Number of touched rows of block ``key`` in ``view``, as of the last fold."""
         return int(self._bits(view, key).sum())
 
-    def record(self, key: str, local_rows: torch.Tensor) -> None:
-        """Marks rows of block ``key`` as touched, as a lookup would."""
-        module, first, _ = self._slices[key]
-        self._modules[module].pending[first + local_rows.to(torch.long)] = True
-
     def mark(self, key: str, local_rows: torch.Tensor, view: str) -> None:
         """Sets bits in one view only (a restore rebuilding what its chain changed)."""
         self._bits(view, key)[local_rows.to(torch.long)] = True
@@ -189,17 +184,6 @@ class RowTracker:
         for view in VIEWS:
             for bits in self._views[view]:
                 bits.zero_()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every view's bits as of the last fold."""
-        return {
-            f"{view}/{key}": self._bits(view, key).clone() for view in VIEWS for key in self._slices
-        }
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, bits in state.items():
-            view, key = name.split("/", 1)
-            self._bits(view, key).copy_(bits)
 
     def close(self) -> None:
         """Removes the hooks."""
