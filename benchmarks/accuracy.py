@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import RESULTS, write_result  # noqa: E402
 
-from embckpt.config import DemoConfig, load_yaml  # noqa: E402
+from embckpt.config import load_yaml
 from embckpt.examples.launcher import run_ranks  # noqa: E402
+from embckpt.examples.workload import DemoConfig  # noqa: E402
 
 HOLDOUT = 0.1
 BIT_COLORS = {2: "#1f77b4", 3: "#2ca02c", 4: "#ff7f0e", 8: "#d62728"}

@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from codec_roundtrip import encoded_bytes_per_row  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 
 from embckpt.codecs import make_codec  # noqa: E402
-from embckpt.codecs.testing import encoded_bytes_per_row  # noqa: E402
 from embckpt.storage.shardfile import decode_file, encode_file  # noqa: E402
 
 STAGES = ("none", "huffman", "zstd", "lz4")
@@ -49,11 +49,12 @@ ROW_GROUP = 65536
 
 
 def _train_worker(rank: int, world_size: int, config: str, steps: int, delta_steps: int) -> dict:
-    from embckpt.config import DemoConfig, load_yaml
+    from embckpt.config import load_yaml
     from embckpt.data import ResumableSampler
     from embckpt.examples.demo import load_dataset
     from embckpt.examples.launcher import rank_device
     from embckpt.examples.model import build_model, make_batch, train_step
+    from embckpt.examples.workload import DemoConfig
     from embckpt.sharding import discover
 
     cfg = load_yaml(config, DemoConfig)

@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import write_result  # noqa: E402
 
-from embckpt.config import DemoConfig, load_yaml  # noqa: E402
+from embckpt.config import load_yaml
 from embckpt.examples.launcher import run_ranks  # noqa: E402
+from embckpt.examples.workload import DemoConfig  # noqa: E402
 
 EVERY = 4  # training steps between checkpoints
 DIFFS = 5
@@ -117,7 +118,6 @@ def _worker(
     from embckpt.examples.demo import load_dataset
     from embckpt.examples.launcher import rank_device
     from embckpt.examples.model import build_model, make_batch, train_step
-    from embckpt.restore import restore_checkpoint
     from embckpt.storage.fs import CheckpointStore
 
     device = rank_device(rank)
@@ -161,12 +161,8 @@ def _worker(
             optimizer.load_state_dict(state["dense_optim"])
 
         out: dict[str, Any] = {
-            "full": _timed(
-                lambda: _restore_stats(restore_checkpoint(ckpt, full, threads=threads)), repeats
-            ),
-            "chain": _timed(
-                lambda: _restore_stats(restore_checkpoint(ckpt, last, threads=threads)), repeats
-            ),
+            "full": _timed(lambda: _restore_stats(ckpt.load(full, threads=threads)), repeats),
+            "chain": _timed(lambda: _restore_stats(ckpt.load(last, threads=threads)), repeats),
             "dcp": _timed(dcp_load, repeats),
         }
     if rank == 0:
@@ -182,11 +178,11 @@ def _worker(
         model, optimizer = build_model(other, device, world_size)
         with Checkpointer(model, source, optimizer=optimizer, config=config) as ckpt:
             out["resharded_chain"] = _timed(
-                lambda: _restore_stats(restore_checkpoint(ckpt, steps[-1], threads=threads)),
+                lambda: _restore_stats(ckpt.load(steps[-1], threads=threads)),
                 repeats,
             )
             out["resharded_full"] = _timed(
-                lambda: _restore_stats(restore_checkpoint(ckpt, steps[0], threads=threads)),
+                lambda: _restore_stats(ckpt.load(steps[0], threads=threads)),
                 repeats,
             )
     return out

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import build_workload, write_result  # noqa: E402
 
-from embckpt.config import DemoConfig, load_yaml  # noqa: E402
+from embckpt.config import load_yaml
 from embckpt.examples.launcher import run_ranks  # noqa: E402
+from embckpt.examples.workload import DemoConfig  # noqa: E402
 
 
 def _dir_bytes(path: Path) -> int:

@@ -6,26 +6,52 @@ Public API::
                                 config=embckpt.CheckpointConfig(policy="one_shot"))
     step = ckpt.restore()          # None on a fresh directory
     ckpt.save(step).wait()         # every rank, together
+
+Names are imported on first use (PEP 562), so ``import embckpt`` and the command line's
+``--help`` do not pay for torch and TorchRec until something needs them. ``embckpt.report``
+holds the storage-cost reports.
 """
 
-from embckpt.checkpointer import Checkpointer, PendingCheckpoint
-from embckpt.config import CheckpointConfig, DemoConfig, WorkloadConfig, load_yaml
-from embckpt.errors import (
-    ChainIncompleteError,
-    CheckpointCorruptError,
-    ConfigError,
-    EmbckptError,
-    ModelMismatchError,
-    RankError,
-    SaveError,
-    UnknownCodecError,
-)
-from embckpt.storage.manifest import Manifest
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> module that defines it
+_EXPORTS = {
+    "Checkpointer": "embckpt.checkpointer",
+    "PendingCheckpoint": "embckpt.checkpointer",
+    "CheckpointConfig": "embckpt.config",
+    "load_yaml": "embckpt.config",
+    "ResumableSampler": "embckpt.data",
+    "ChainIncompleteError": "embckpt.errors",
+    "CheckpointCorruptError": "embckpt.errors",
+    "ConfigError": "embckpt.errors",
+    "EmbckptError": "embckpt.errors",
+    "ModelMismatchError": "embckpt.errors",
+    "RankError": "embckpt.errors",
+    "SaveError": "embckpt.errors",
+    "UnknownCodecError": "embckpt.errors",
+    "RestoreResult": "embckpt.read.restore",
+    "merge": "embckpt.read.merge",
+    "reconstruct": "embckpt.read.export",
+    "export_dcp": "embckpt.read.export",
+    "export_safetensors": "embckpt.read.export",
+    "CheckpointStore": "embckpt.storage.fs",
+    "Manifest": "embckpt.storage.manifest",
+    "VerifyReport": "embckpt.storage.verify",
+    "verify": "embckpt.storage.verify",
+    # The example workload's settings, kept importable from here for scripts written before
+    # they moved to embckpt.examples.
+    "DemoConfig": "embckpt.examples.workload",
+    "WorkloadConfig": "embckpt.examples.workload",
+}
 
 __all__ = [
     "ChainIncompleteError",
     "CheckpointConfig",
     "CheckpointCorruptError",
+    "CheckpointStore",
     "Checkpointer",
     "ConfigError",
     "DemoConfig",
@@ -34,8 +60,52 @@ __all__ = [
     "ModelMismatchError",
     "PendingCheckpoint",
     "RankError",
+    "RestoreResult",
+    "ResumableSampler",
     "SaveError",
     "UnknownCodecError",
+    "VerifyReport",
     "WorkloadConfig",
+    "export_dcp",
+    "export_safetensors",
     "load_yaml",
+    "merge",
+    "reconstruct",
+    "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'embckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:
+    from embckpt.checkpointer import Checkpointer, PendingCheckpoint
+    from embckpt.config import CheckpointConfig, load_yaml
+    from embckpt.data import ResumableSampler
+    from embckpt.errors import (
+        ChainIncompleteError,
+        CheckpointCorruptError,
+        ConfigError,
+        EmbckptError,
+        ModelMismatchError,
+        RankError,
+        SaveError,
+        UnknownCodecError,
+    )
+    from embckpt.examples.workload import DemoConfig, WorkloadConfig
+    from embckpt.read.export import export_dcp, export_safetensors, reconstruct
+    from embckpt.read.merge import merge
+    from embckpt.read.restore import RestoreResult
+    from embckpt.storage.fs import CheckpointStore
+    from embckpt.storage.manifest import Manifest
+    from embckpt.storage.verify import VerifyReport, verify

@@ -17,7 +17,7 @@ Pipeline of one ``save(step)`` (every rank calls it together):
 5. account  - on success the manifest becomes the chain's head; on failure the taken tracker
               bits are given back, so the next checkpoint still writes those rows.
 
-``save`` returns after step 3. Restores are in :mod:`embckpt.restore`.
+``save`` returns after step 3. Restores are in :mod:`embckpt.read.restore`.
 """
 
 from __future__ import annotations
@@ -35,22 +35,25 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.codecs import Codec, codec_for, make_codec
+from embckpt.codecs import Codec, make_codec
 from embckpt.collective import Collective
-from embckpt.config import CheckpointConfig
+from embckpt.config import CheckpointConfig, codec_for
 from embckpt.errors import SaveError
-from embckpt.guards import UpdateGuard
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
+from embckpt.read.reader import default_threads
+from embckpt.read.restore import RestoreResult, RestoreTarget, restore_checkpoint
+from embckpt.save.guards import UpdateGuard
+from embckpt.save.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
+from embckpt.save.staging import StagingArena
+from embckpt.save.tables import table_entries
+from embckpt.save.writer import RowFileWriter
 from embckpt.sharding import ShardedModel, discover
-from embckpt.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
-from embckpt.staging import StagingArena
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
 from embckpt.storage.retention import apply_retention
-from embckpt.tracking import RowTracker
-from embckpt.writer import RowFileWriter
+from embckpt.tracking import RowTracker, View
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class _Snapshot:
     dirty_fraction: float
     touched_fraction: float  # of all rows, touched since the previous checkpoint
     started: float
-    taken: dict[str, list[torch.Tensor]]
+    taken: dict[View, list[torch.Tensor]]
     dense: dict[str, Any] | None
     rank: dict[str, Any]
     pending: list[Unit] = field(default_factory=list)
@@ -170,7 +173,7 @@ class Checkpointer:
         state_names: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         for names in self.comm.all_gather(self.sharded.state_names()):
             state_names.update(names)
-        self._tables = self.sharded.table_entries(state_names)
+        self._tables = table_entries(self.sharded, state_names)
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -246,7 +249,7 @@ class Checkpointer:
                 inflight.observed = True
                 raise
 
-    def _decide(self, step: int) -> tuple[Decision, dict[str, float]]:
+    def _decide(self, step: int) -> tuple[Decision, dict[View, float]]:
         problem = self.comm.broadcast(
             self._prepare_step_folder(step) if self.comm.rank == 0 else None
         )
@@ -255,8 +258,8 @@ class Checkpointer:
         self.tracker.fold()
         local = [0.0, 0.0, 0.0]
         for shard in self.sharded.writer_shards():
-            local[0] += self.tracker.count(shard.key, "since_last") * shard.num_cols
-            local[1] += self.tracker.count(shard.key, "since_full") * shard.num_cols
+            local[0] += self.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
+            local[1] += self.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
             local[2] += shard.num_rows * shard.num_cols
         since_last, since_full, total = self.comm.all_sum(local)
         measured = self._clock.collect(self._last_blocked_s)
@@ -268,12 +271,12 @@ class Checkpointer:
             self.interval.update(IntervalMeasurements(clean, extra, blocked, measured.iterations))
         self._next_step = step + self.interval.interval
         dirty = {
-            "since_last": since_last / max(total, 1.0),
-            "since_full": since_full / max(total, 1.0),
+            View.SINCE_LAST: since_last / max(total, 1.0),
+            View.SINCE_FULL: since_full / max(total, 1.0),
         }
         history = self.head.history if self.head is not None else ()
         decision = self.policy.decide(
-            PolicyInput(step, dirty["since_last"], dirty["since_full"], history)
+            PolicyInput(step, dirty[View.SINCE_LAST], dirty[View.SINCE_FULL], history)
         )
         if self.codec.delta and decision.kind is Kind.DIFF and not self.writer.reference.ready:
             # Deltas need the reconstruction of their base, which only a full written by this
@@ -297,7 +300,7 @@ class Checkpointer:
 
     @torch.no_grad()
     def _snapshot(
-        self, step: int, decision: Decision, dirty: dict[str, float], started: float
+        self, step: int, decision: Decision, dirty: dict[View, float], started: float
     ) -> _Snapshot:
         selected = []
         for shard in self.sharded.writer_shards():
@@ -305,11 +308,11 @@ class Checkpointer:
                 rows = torch.arange(shard.num_rows, device=shard.weight.device)
                 selected.append((shard, rows, True))
             else:
-                rows = self.tracker.dirty(shard.key, decision.view or "since_last")
+                rows = self.tracker.dirty(shard.key, decision.view or View.SINCE_LAST)
                 selected.append((shard, rows, False))
-        taken = {"since_last": self.tracker.take("since_last")}
+        taken = {View.SINCE_LAST: self.tracker.take(View.SINCE_LAST)}
         if decision.kind is Kind.FULL:
-            taken["since_full"] = self.tracker.take("since_full")
+            taken[View.SINCE_FULL] = self.tracker.take(View.SINCE_FULL)
         dense_state = None
         if self.comm.rank == 0:
             dense_state = dense.detached_copy(
@@ -317,12 +320,12 @@ class Checkpointer:
                     self.model, self.optimizer, self.sharded.table_keys, self.sharded.scalar_states
                 )
             )
-        fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or "since_last"]
+        fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
         snapshot = _Snapshot(
             step=step,
             decision=decision,
             dirty_fraction=fraction,
-            touched_fraction=dirty["since_last"],
+            touched_fraction=dirty[View.SINCE_LAST],
             started=started,
             taken=taken,
             dense=dense_state,
@@ -464,16 +467,44 @@ class Checkpointer:
             ChainIncompleteError: a checkpoint the chain needs is not committed.
             ModelMismatchError: the model's tables differ from the checkpoint's.
         """
-        from embckpt.restore import restore_into
+        result = self.load(step)
+        return None if result is None else result.manifest.step
 
+    def load(
+        self, step: int | None = None, *, threads: int | None = None, progress: bool | None = None
+    ) -> RestoreResult | None:
+        """:meth:`restore`, returning what was restored: the chain, the bytes read, the time
+        taken and the state that could not be restored (see ``RestoreResult``).
+
+        Args:
+            step: the checkpoint; the latest committed one if None.
+            threads: reader threads per rank (default: ``config.restore_threads``, else the
+                rank's share of the cores).
+            progress: a progress bar on rank 0 (None: for large restores on a terminal).
+        """
         self._finish_inflight()
-        manifest = restore_into(self, step)
-        self.head = manifest
+        target = RestoreTarget(
+            model=self.model,
+            optimizer=self.optimizer,
+            sharded=self.sharded,
+            statefuls=self.statefuls,
+            comm=self.comm,
+            store=self.store,
+            threads=default_threads(self.config),
+        )
+        result = restore_checkpoint(target, step, threads=threads, progress=progress)
         self.writer.reference.clear()
-        if manifest is not None:
-            self.restores = int(manifest.stats.get("restores", 0)) + 1
         self._next_step = None
-        return None if manifest is None else manifest.step
+        if result is None:
+            self.head = None
+            return None
+        # The restored rows that diffs changed are "changed since the full" for the next diff.
+        self.tracker.reset()
+        for key, local_rows in result.diff_rows:
+            self.tracker.mark(key, local_rows, View.SINCE_FULL)
+        self.head = result.manifest  # the next checkpoint continues this chain
+        self.restores = int(result.manifest.stats.get("restores", 0)) + 1
+        return result
 
     def close(self) -> None:
         """Finishes the checkpoint in flight (raising its failure if unseen), removes hooks."""
@@ -514,7 +545,7 @@ def _as_save_error(
 
 def _parent(head: Manifest, decision: Decision) -> int:
     """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
-    return head.base_step if decision.view == "since_full" else head.step
+    return head.base_step if decision.view == View.SINCE_FULL else head.step
 
 
 def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:

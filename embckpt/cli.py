@@ -11,10 +11,11 @@ import sys
 from collections.abc import Sequence
 
 from embckpt.errors import EmbckptError
-from embckpt.projection import format_projection, parse_duration, parse_size, project
-from embckpt.report import build_report, format_table
+from embckpt.report.build import build_report, format_table
+from embckpt.report.projection import format_projection, parse_duration, parse_size, project
+from embckpt.storage.chain import load_manifests
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.verify import load_manifests, verify
+from embckpt.storage.verify import verify
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -86,8 +87,8 @@ def _report(args: argparse.Namespace) -> int:
     # With --json, stdout holds only the JSON.
     say = sys.stderr if args.json else sys.stdout
     if args.plot or args.html:
-        from embckpt.plots import render_png
-        from embckpt.report_html import write_html
+        from embckpt.report.html import write_html
+        from embckpt.report.plots import render_png
 
         png = render_png(report)
         if args.plot:
@@ -101,7 +102,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from embckpt.merge import merge
+    from embckpt.read.merge import merge
 
     store = CheckpointStore(args.directory)
     manifest = merge(store, args.step)
@@ -114,7 +115,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
-    from embckpt.restore import describe_restore
+    from embckpt.read.restore import describe_restore
 
     text, ok = describe_restore(args.directory, args.step)
     print(text)
@@ -122,7 +123,7 @@ def _restore(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from embckpt.export import export_dcp, export_safetensors
+    from embckpt.read.export import export_dcp, export_safetensors
 
     if args.to == "dcp":
         model = export_dcp(args.directory, args.out, args.step)

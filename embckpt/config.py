@@ -1,12 +1,15 @@
-"""Frozen settings for the checkpointer and the reference workload, loadable from YAML.
+"""Frozen settings of the checkpointer, loadable from YAML.
 
-Every knob of embckpt lives in one of these dataclasses so that a run is described by one
-YAML file (see ``configs/``) and unknown keys fail loudly instead of being ignored.
+Every knob of embckpt lives in :class:`CheckpointConfig` so that a run is described by one YAML
+file (see ``configs/``) and unknown keys fail loudly instead of being ignored. Names of
+policies and codecs are checked against their registries (``policy.POLICIES``, the codec
+registry), never against lists kept here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,13 +17,11 @@ from typing import Any, TypeVar
 
 import yaml
 
+from embckpt.codecs import Codec, make_codec
 from embckpt.errors import ConfigError
+from embckpt.policy import make_policy
 
-POLICIES = ("full", "one_shot", "incremental", "intermittent")
 PIPELINES = ("full", "persist", "off")
-ENTROPY_STAGES = ("auto", "none", "huffman", "zstd", "lz4")
-CODE_BITS = (2, 3, 4, 8)
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,12 @@ class CheckpointConfig:
     stall_bound: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is not one of {POLICIES}")
         if self.keep_last < 0:
             raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
-        if self.entropy not in ENTROPY_STAGES:
-            raise ConfigError(f"entropy {self.entropy!r} is not one of {ENTROPY_STAGES}")
-        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in CODE_BITS):
-            raise ConfigError(f"bits must be one of {CODE_BITS} or None, got {self.bits!r}")
+        if isinstance(self.bits, bool):
+            raise ConfigError(f"bits must be a code width or None, got {self.bits!r}")
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
         if self.pipeline not in PIPELINES:
@@ -108,82 +105,13 @@ class CheckpointConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class WorkloadConfig:
-    """The reference DLRM workload: Criteo schema, synthetic or real data, sharding plan.
-
-    Attributes:
-        num_dense: dense features per sample (Criteo: 13).
-        cardinalities: rows of each categorical feature's table (Criteo: 26 features).
-        embedding_dim: columns of every table.
-        zipf_alpha: skew of the synthetic ids (larger: a few rows get most lookups).
-        ids_per_feature: ids looked up per feature per sample (pooling factor).
-        num_samples: size of the synthetic dataset (one epoch).
-        batch_size: samples per rank per step.
-        dense_arch: hidden sizes of DLRM's bottom MLP (its last size must equal embedding_dim).
-        over_arch: hidden sizes of DLRM's top MLP (must end in 1).
-        learning_rate: fused embedding optimizer learning rate.
-        dense_learning_rate: dense optimizer (Adagrad) learning rate.
-        embedding_optimizer: fused optimizer: exact_rowwise_adagrad, exact_adagrad or exact_sgd.
-        sharding: table name -> sharding type (``table_wise`` may name a rank as
-            ``table_wise:1``); tables not named are spread table-wise round-robin.
-        seed: seed of data generation, the teacher and the model's initialisation.
-        data_path: Criteo TSV file or folder; None means the synthetic generator.
-    """
-
-    num_dense: int = 13
-    cardinalities: tuple[int, ...] = (
-        2000, 500, 4000, 3000, 300, 24, 1200, 600, 3, 2500,
-        3500, 4000, 3000, 27, 2000, 4000, 10, 1500, 900, 4,
-        4000, 15, 15, 3000, 100, 2500,
-    )  # fmt: skip
-    embedding_dim: int = 16
-    zipf_alpha: float = 1.1
-    ids_per_feature: int = 1
-    num_samples: int = 65536
-    batch_size: int = 256
-    dense_arch: tuple[int, ...] = (64, 16)
-    over_arch: tuple[int, ...] = (64, 32, 1)
-    learning_rate: float = 0.05
-    dense_learning_rate: float = 0.05
-    embedding_optimizer: str = "exact_rowwise_adagrad"
-    sharding: Mapping[str, str] = field(default_factory=dict)
-    seed: int = 0
-    data_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dense_arch[-1] != self.embedding_dim:
-            raise ConfigError(
-                f"dense_arch must end in embedding_dim={self.embedding_dim}, got {self.dense_arch}"
-            )
-        if self.over_arch[-1] != 1:
-            raise ConfigError(f"over_arch must end in 1, got {self.over_arch}")
-        for table, kind in self.sharding.items():
-            if kind.split(":")[0] not in SHARDING_TYPES:
-                raise ConfigError(
-                    f"table {table}: sharding {kind!r} is not one of {SHARDING_TYPES}"
-                )
-
-    @property
-    def table_names(self) -> list[str]:
-        return [f"t_cat_{i}" for i in range(len(self.cardinalities))]
-
-    @property
-    def feature_names(self) -> list[str]:
-        return [f"cat_{i}" for i in range(len(self.cardinalities))]
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """A whole demo or benchmark run: the workload, the checkpointer, and the schedule."""
-
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    steps: int = 60
-    checkpoint_every: int = 10
-    world_size: int = 2
+        # Names are checked by the registries themselves, so a newly registered policy or
+        # codec is accepted and the lists are written once.
+        make_policy(self)
+        for name in (self.optimizer_codec, self.base_codec):
+            make_codec(name)
+        if self.expected_restores is None:
+            codec_for(self)
 
 
 _T = TypeVar("_T")
@@ -200,10 +128,15 @@ def from_mapping(cls: type[_T], values: Mapping[str, Any], where: str = "config"
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
     kwargs: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
     for name, value in values.items():
         target = known[name].type
-        nested = _NESTED.get(name)
-        if nested is not None and isinstance(value, Mapping):
+        nested = hints.get(name)
+        if (
+            isinstance(nested, type)
+            and dataclasses.is_dataclass(nested)
+            and isinstance(value, Mapping)
+        ):
             kwargs[name] = from_mapping(nested, value, f"{where}.{name}")
         elif isinstance(value, list) and "tuple" in str(target):
             kwargs[name] = tuple(value)
@@ -213,9 +146,6 @@ def from_mapping(cls: type[_T], values: Mapping[str, Any], where: str = "config"
         return cls(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-
-
-_NESTED: dict[str, type] = {"workload": WorkloadConfig, "checkpoint": CheckpointConfig}
 
 
 def load_yaml(path: str | Path, cls: type[_T]) -> _T:
@@ -232,3 +162,30 @@ def load_yaml(path: str | Path, cls: type[_T]) -> _T:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return from_mapping(cls, values, str(path))
+
+
+def codec_for(config: CheckpointConfig) -> Codec:
+    """The row codec a checkpoint configuration asks for.
+
+    ``config.codec`` names the codec; ``config.codec_options`` are its keyword options;
+    ``config.bits`` and ``config.entropy`` (unless ``"auto"``) are added to them as ``bits`` and
+    ``entropy``. ``entropy="auto"`` leaves the codec's own default: the stage measured best for
+    it (see each codec's signature and benchmarks/results/codecs.json).
+
+    Raises:
+        ConfigError: ``bits`` or ``entropy`` conflict with the same key in ``codec_options``, or
+            the codec does not take an option (e.g. ``bits`` for ``raw``) or rejects its value.
+        UnknownCodecError: no codec is registered under ``config.codec``.
+    """
+    options: dict[str, Any] = dict(config.codec_options)
+    given = {"bits": config.bits, "entropy": None if config.entropy == "auto" else config.entropy}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name in options and options[name] != value:
+            raise ConfigError(
+                f"codec {config.codec!r}: {name}={value!r} conflicts with "
+                f"codec_options[{name!r}]={options[name]!r}"
+            )
+        options[name] = value
+    return make_codec(config.codec, options)

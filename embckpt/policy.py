@@ -9,12 +9,38 @@ talking. New policies (the intermittent predictor) subclass :class:`Policy` and 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Protocol
 
-from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
-from embckpt.storage.manifest import HistoryEntry
+from embckpt.tracking import View
+
+
+class HistoryRecord(Protocol):
+    """A past checkpoint of the chain, as a policy sees it (the manifest's history entries
+    have this shape; policies never read storage)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def dirty_fraction(self) -> float: ...
+
+
+class PolicySettings(Protocol):
+    """The settings :func:`make_policy` reads (``CheckpointConfig`` has them)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def full_every(self) -> int: ...
+    @property
+    def policy_options(self) -> Mapping[str, Any]: ...
 
 
 class Kind(str, Enum):
@@ -38,7 +64,7 @@ class PolicyInput:
     step: int
     dirty_since_last: float
     dirty_since_full: float
-    history: tuple[HistoryEntry, ...]
+    history: tuple[HistoryRecord, ...]
 
 
 @dataclass(frozen=True)
@@ -46,7 +72,7 @@ class Decision:
     """A policy's answer: the kind and, for a diff, the tracker view whose rows it writes."""
 
     kind: Kind
-    view: str | None = None
+    view: View | None = None
     reason: str = ""
 
 
@@ -85,7 +111,7 @@ class OneShotPolicy(Policy):
     name = "one_shot"
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
-        return Decision(Kind.DIFF, view="since_full", reason="rows changed since the last full")
+        return Decision(Kind.DIFF, view=View.SINCE_FULL, reason="rows changed since the last full")
 
 
 class IncrementalPolicy(Policy):
@@ -94,7 +120,7 @@ class IncrementalPolicy(Policy):
     name = "incremental"
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
-        return Decision(Kind.DIFF, view="since_last", reason="rows changed since the previous")
+        return Decision(Kind.DIFF, view=View.SINCE_LAST, reason="rows changed since the previous")
 
 
 @dataclass(frozen=True)
@@ -114,7 +140,7 @@ class Forecast:
         return self.full_write + restore_weight * self.full_restore
 
 
-def forecast(history: tuple[HistoryEntry, ...], upcoming: float | None) -> Forecast:
+def forecast(history: tuple[HistoryRecord, ...], upcoming: float | None) -> Forecast:
     """Check-N-Run's forecast, over the next i + 1 checkpoints after i diffs.
 
     With ``s_j`` the bytes of the j-th diff over the full checkpoint's bytes: keeping on costs at
@@ -162,7 +188,7 @@ class IntermittentPolicy(Policy):
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         if len(stats.history) < 2:
-            return Decision(Kind.DIFF, view="since_full", reason="first diff after a full")
+            return Decision(Kind.DIFF, view=View.SINCE_FULL, reason="first diff after a full")
         upcoming = None
         last = stats.history[-1]
         if self.rule == "cost" and last.dirty_fraction > 0:
@@ -174,7 +200,7 @@ class IntermittentPolicy(Policy):
         detail = f"keep {keep:.3f} vs full {full:.3f} over {f.horizon} checkpoints"
         if full <= keep:
             return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
-        return Decision(Kind.DIFF, view="since_full", reason=f"predictor: diff ({detail})")
+        return Decision(Kind.DIFF, view=View.SINCE_FULL, reason=f"predictor: diff ({detail})")
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -182,8 +208,9 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(config: CheckpointConfig) -> Policy:
-    """The policy ``config.policy`` names, with ``config.policy_options``.
+def make_policy(config: PolicySettings) -> Policy:
+    """The policy ``config.policy`` names, with ``config.full_every`` and
+    ``config.policy_options``; policies registered in :data:`POLICIES` after import count.
 
     Raises:
         ConfigError: no such policy, or options it does not take.

@@ -14,15 +14,13 @@ belongs to the dense optimizer, not to the fused one.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from embckpt.codecs.base import dtype_name
 from embckpt.errors import ModelMismatchError
-from embckpt.storage.manifest import TableEntry
 
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -67,21 +65,6 @@ class TableShard:
         """Unique name of the block: table, row and column offsets."""
         return f"{self.table}/r{self.row_offset}_c{self.col_offset}"
 
-    @torch.no_grad()
-    def write_rows(
-        self,
-        local_rows: torch.Tensor,
-        values: torch.Tensor,
-        col_lo: int,
-        col_hi: int,
-        target: torch.Tensor | None = None,
-    ) -> None:
-        """Writes ``values`` [n, col_hi-col_lo] into rows ``local_rows``, global columns
-        [col_lo, col_hi), of the weights (or of ``target``, an element-wise state)."""
-        dest = self.weight if target is None else target
-        lo, hi = col_lo - self.col_offset, col_hi - self.col_offset
-        dest[:, lo:hi].index_copy_(0, local_rows.to(dest.device), values.to(dest))
-
 
 @dataclass
 class ShardedModel:
@@ -113,32 +96,6 @@ class ShardedModel:
             s.table: (tuple(sorted(s.row_states)), tuple(sorted(s.elem_states)))
             for s in self.shards
         }
-
-    def table_entries(
-        self, state_names: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
-    ) -> tuple[TableEntry, ...]:
-        """The manifest's description of every table, as this job shards it.
-
-        Args:
-            state_names: :meth:`state_names` merged over all ranks (a rank only sees the
-                optimizer state of the blocks it holds).
-        """
-        entries = []
-        for name, (rows, cols) in sorted(self.table_shapes.items()):
-            row_states, elem_states = state_names.get(name, ((), ()))
-            entries.append(
-                TableEntry(
-                    name=name,
-                    rows=rows,
-                    cols=cols,
-                    dtype=dtype_name(self.table_dtypes[name]),
-                    sharding_type=self.sharding_types[name],
-                    row_states=row_states,
-                    elem_states=elem_states,
-                    shards=tuple(self.placements[name]),
-                )
-            )
-        return tuple(entries)
 
 
 def discover(model: nn.Module, rank: int = 0) -> ShardedModel:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -25,7 +26,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from embckpt.sharding import TableShard
 
-VIEWS = ("since_last", "since_full")
+
+class View(str, Enum):
+    """What a tracker view counts: rows touched since the previous checkpoint (what an
+    incremental diff writes) or since the last full one (what a one-shot diff writes)."""
+
+    SINCE_LAST = "since_last"
+    SINCE_FULL = "since_full"
 
 
 @dataclass
@@ -67,7 +74,9 @@ class RowTracker:
         missing = {s.key for s in by_block.values()} - set(self._slices)
         if missing:
             raise RuntimeError(f"no embedding lookup found for blocks {sorted(missing)}")
-        self._views = {view: [torch.zeros_like(m.pending) for m in self._modules] for view in VIEWS}
+        self._views: dict[View, list[torch.Tensor]] = {
+            view: [torch.zeros_like(m.pending) for m in self._modules] for view in View
+        }
 
     def _install(self, batched: Any, by_block: dict[tuple[str, int, int], TableShard]) -> None:
         """Hooks one TorchRec batched embedding kernel (its private ``_config`` and
@@ -138,15 +147,15 @@ class RowTracker:
                 as_int = tracked.pending.to("cpu", torch.uint8)
                 dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=self._group)
                 tracked.pending.copy_(as_int.bool())
-            for view in VIEWS:
+            for view in View:
                 self._views[view][index] |= tracked.pending
             tracked.pending.zero_()
 
-    def _bits(self, view: str, key: str) -> torch.Tensor:
+    def _bits(self, view: View, key: str) -> torch.Tensor:
         module, first, rows = self._slices[key]
         return self._views[view][module][first : first + rows]
 
-    def dirty(self, key: str, view: str) -> torch.Tensor:
+    def dirty(self, key: str, view: View) -> torch.Tensor:
         """Local row indices (ascending, int64) of block ``key`` touched in ``view`` as of the
         last :meth:`fold`."""
         return torch.nonzero(self._bits(view, key)).flatten()
@@ -157,22 +166,22 @@ class RowTracker:
         Collective when the model has replicated tables: every rank calls it together."""
         self._fold()
 
-    def count(self, key: str, view: str) -> int:
+    def count(self, key: str, view: View) -> int:
         """Number of touched rows of block ``key`` in ``view``, as of the last fold."""
         return int(self._bits(view, key).sum())
 
-    def mark(self, key: str, local_rows: torch.Tensor, view: str) -> None:
+    def mark(self, key: str, local_rows: torch.Tensor, view: View) -> None:
         """Sets bits in one view only (a restore rebuilding what its chain changed)."""
         self._bits(view, key)[local_rows.to(torch.long)] = True
 
-    def take(self, view: str) -> list[torch.Tensor]:
+    def take(self, view: View) -> list[torch.Tensor]:
         """Clears ``view`` and returns its bits as of the last fold, for :meth:`give_back`."""
         taken = [bits.clone() for bits in self._views[view]]
         for bits in self._views[view]:
             bits.zero_()
         return taken
 
-    def give_back(self, view: str, taken: list[torch.Tensor]) -> None:
+    def give_back(self, view: View, taken: list[torch.Tensor]) -> None:
         """Re-marks bits taken by a checkpoint that did not commit."""
         for bits, old in zip(self._views[view], taken, strict=True):
             bits |= old
@@ -181,7 +190,7 @@ class RowTracker:
         """Clears pending bits and every view (after a restore)."""
         for tracked in self._modules:
             tracked.pending.zero_()
-        for view in VIEWS:
+        for view in View:
             for bits in self._views[view]:
                 bits.zero_()
 

@@ -9,14 +9,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from codec_roundtrip import encoded_bytes_per_row, round_trip
 
-from embckpt.codecs import Codec, codec_for, codec_from_config, make_codec
+from embckpt.codecs import Codec, codec_from_config, make_codec
 from embckpt.codecs import huffman as hm
 from embckpt.codecs.adaptive import AdaptiveCodec, greedy_ranges, range_loss
 from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes
-from embckpt.codecs.testing import encoded_bytes_per_row, round_trip
 from embckpt.codecs.uniform import AsymmetricCodec, quantize_affine
-from embckpt.config import CheckpointConfig
+from embckpt.config import CheckpointConfig, codec_for
 from embckpt.errors import CodecError, ConfigError, UnknownCodecError
 
 BITS = (2, 3, 4, 8)

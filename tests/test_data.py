@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from embckpt.data import ClickDataset, ResumableSampler
+from embckpt.data import ResumableSampler
 from embckpt.errors import ConfigError
+from embckpt.examples.dataset import ClickDataset
 
 
 def _take(sampler: ResumableSampler, batches: int) -> list[np.ndarray]:

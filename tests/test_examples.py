@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from embckpt.config import DemoConfig, WorkloadConfig, load_yaml
+from embckpt.config import load_yaml
 from embckpt.data import ResumableSampler
 from embckpt.errors import ConfigError
 from embckpt.examples.criteo import load_criteo_tsv
@@ -26,6 +26,7 @@ from embckpt.examples.model import (
     make_batch,
 )
 from embckpt.examples.synthetic import make_synthetic_dataset
+from embckpt.examples.workload import DemoConfig, WorkloadConfig
 
 DEMO_YAML = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 SMALL = WorkloadConfig(num_samples=20000)

@@ -14,7 +14,7 @@ import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
-from embckpt.staging import StagingArena
+from embckpt.save.staging import StagingArena
 
 
 def _slow_writes(ckpt, seconds: float) -> None:

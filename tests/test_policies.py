@@ -13,8 +13,8 @@ from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.examples.launcher import run_ranks
 from embckpt.policy import IntermittentPolicy, Kind, PolicyInput, bits_for_restores, make_policy
+from embckpt.storage.chain import needed_steps
 from embckpt.storage.manifest import HistoryEntry, Manifest
-from embckpt.storage.retention import needed_steps
 
 
 def _history(diff_sizes: list[float], dirty: list[float] | None = None):
@@ -115,7 +115,7 @@ def test_retention_keeps_every_link_a_kept_checkpoint_needs() -> None:
 
 def _retention_and_merge(rank: int, world_size: int, root: str) -> dict:
     from embckpt import Checkpointer
-    from embckpt.merge import merge
+    from embckpt.read.merge import merge
     from embckpt.storage.verify import verify
 
     out: dict = {}

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-import embckpt.projection
-import embckpt.report
+import embckpt.report.build
+import embckpt.report.projection
 from embckpt.cli import main
-from embckpt.projection import parse_duration, parse_size, project
-from embckpt.report import build_report
+from embckpt.report.build import build_report
+from embckpt.report.projection import parse_duration, parse_size, project
 from embckpt.storage.fs import CheckpointStore
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,9 +158,9 @@ def _check(value: dict[str, Any], schema: dict[str, Any], where: str) -> None:
 def test_json_follows_the_documented_schema(
     saved_runs: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    schema = _documented(embckpt.report.__doc__ or "")
+    schema = _documented(embckpt.report.build.__doc__ or "")
     assert {"checkpoints[]", "tables[]", "totals", "projection"} <= set(schema)
-    projection_schema = _documented(embckpt.projection.__doc__ or "")
+    projection_schema = _documented(embckpt.report.projection.__doc__ or "")
     schema["projection"] = projection_schema
     report = _report_json(saved_runs / "incremental", capsys, "--project", "--model-bytes", "2TB")
     _check(report, schema, "report")

@@ -233,7 +233,6 @@ def _save(rank: int, world_size: int, root: str) -> dict:
     one back onto the same plan."""
     from embckpt import CheckpointConfig, Checkpointer
     from embckpt.data import ResumableSampler
-    from embckpt.restore import restore_checkpoint
 
     out: dict[str, Any] = {}
     for name, codec, optimizer in (
@@ -263,7 +262,7 @@ def _save(rank: int, world_size: int, root: str) -> dict:
         if name == "quantized":
             fresh, fresh_opt = build_planned(world_size, 7, PLAN_2, optimizer)
             with Checkpointer(fresh, f"{root}/{name}", optimizer=fresh_opt, config=config) as c:
-                result = restore_checkpoint(c)
+                result = c.load()
                 assert result is not None
                 out["quantized_same_plan"] = blocks(fresh, fresh_opt, rank)
     return out
@@ -274,7 +273,6 @@ def _restore(rank: int, world_size: int, root: str, plan: dict[str, str]) -> dic
     fresh, differently seeded models."""
     from embckpt import CheckpointConfig, Checkpointer
     from embckpt.data import ResumableSampler
-    from embckpt.restore import restore_checkpoint
 
     out: dict[str, Any] = {}
     for name, optimizer in (
@@ -293,7 +291,7 @@ def _restore(rank: int, world_size: int, root: str, plan: dict[str, str]) -> dic
         with Checkpointer(
             model, f"{root}/{name}", optimizer=opt, config=config, statefuls=statefuls
         ) as ckpt:
-            result = restore_checkpoint(ckpt, STEPS[-1], threads=3)
+            result = ckpt.load(STEPS[-1], threads=3)
             assert result is not None
             out[name] = blocks(model, opt, rank)
             out[f"{name}_result"] = {
@@ -317,7 +315,7 @@ def _restore(rank: int, world_size: int, root: str, plan: dict[str, str]) -> dic
         before = blocks(model, opt, rank)
         with Checkpointer(model, f"{root}/lossless", optimizer=opt) as ckpt:
             try:
-                restore_checkpoint(ckpt, STEPS[-1])
+                ckpt.load(STEPS[-1])
                 out["dp_to_tw"] = None
             except Exception as exc:  # the test asserts the type and message
                 out["dp_to_tw"] = f"{type(exc).__name__}: {exc}"
@@ -332,7 +330,7 @@ def _restore(rank: int, world_size: int, root: str, plan: dict[str, str]) -> dic
 def _overlapping_bytes(ckpt: Any, step: int) -> int:
     """Bytes of the chain's rows files whose block overlaps one of this rank's blocks: what a
     reader without row-group selection would read."""
-    from embckpt.restore import read_chain
+    from embckpt.storage.chain import read_chain
 
     return sum(
         entry.bytes
@@ -510,7 +508,7 @@ def _write_chain(root: Path, diff_codec: str) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("codec_id", ["raw", "test_delta"])
 def test_delta_codec_files_are_added_in_chain_order(tmp_path: Path, codec_id: str) -> None:
-    from embckpt.export import reconstruct
+    from embckpt.read.export import reconstruct
 
     base, diff, rows = _write_chain(tmp_path, codec_id)
     expected = base.clone()
@@ -525,7 +523,7 @@ def test_delta_codec_files_are_added_in_chain_order(tmp_path: Path, codec_id: st
 
 def test_incomplete_chain_names_what_is_missing(tmp_path: Path) -> None:
     from embckpt.errors import ChainIncompleteError
-    from embckpt.export import reconstruct
+    from embckpt.read.export import reconstruct
 
     _write_chain(tmp_path, "raw")
     (tmp_path / "step_000000000001" / "MANIFEST.json").unlink()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from embckpt.codecs import codec_from_config, make_codec
-from embckpt.config import DemoConfig, load_yaml
+from embckpt.config import load_yaml
 from embckpt.errors import CheckpointCorruptError, ConfigError, UnknownCodecError
+from embckpt.examples.workload import DemoConfig
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
 from embckpt.storage.shardfile import decode_file, encode_file

@@ -22,26 +22,6 @@ import torch
 
 from embckpt.errors import ConfigError, UnknownCodecError
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The stable name a manifest uses for ``dtype``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name` for the dtypes embedding tables use."""
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise UnknownCodecError(f"unsupported row dtype {name!r}") from None
-
 
 @dataclass(frozen=True)
 class EncodedRows:

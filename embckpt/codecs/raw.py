@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from embckpt.codecs.base import EncodedRows, dtype_from_name, dtype_name, register
+from embckpt.codecs.base import EncodedRows, register
 from embckpt.codecs.common import PAYLOAD, StagedCodec, float_tables
+from embckpt.dtypes import dtype_from_name, dtype_name
 
 
 @register

@@ -26,9 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from embckpt.config import WorkloadConfig
-from embckpt.data import ClickDataset
-from embckpt.errors import ConfigError
+from embckpt import ConfigError
+from embckpt.examples.dataset import ClickDataset
+from embckpt.examples.workload import WorkloadConfig
 
 __all__ = ["CRITEO_COLUMNS", "load_criteo_tsv"]
 

@@ -18,13 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from embckpt.config import DemoConfig, load_yaml
+from embckpt import CheckpointStore, load_yaml, verify
 from embckpt.examples.launcher import RankFailed, rank_device, run_ranks
-from embckpt.plots import render_png
-from embckpt.report import build_report, format_table
-from embckpt.report_html import write_html
-from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.verify import verify
+from embckpt.examples.workload import DemoConfig
+from embckpt.report import build_report, format_table, render_png, write_html
 
 HOLDOUT_FRACTION = 0.1
 REPORT_FILES = ("report.png", "report.html")  # written next to the checkpoints
@@ -45,8 +42,7 @@ def train_worker(
     rank: int, world_size: int, cfg: DemoConfig, out: str, kill_at: int | None
 ) -> dict:
     """One rank of the demo: restore if there is a checkpoint, train, checkpoint, maybe die."""
-    from embckpt import Checkpointer
-    from embckpt.data import ResumableSampler
+    from embckpt import Checkpointer, ResumableSampler
     from embckpt.examples.model import build_model, evaluate, make_batch, train_step
 
     device = rank_device(rank)

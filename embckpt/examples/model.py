@@ -38,9 +38,9 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embckpt.config import WorkloadConfig
-from embckpt.data import ClickDataset
-from embckpt.errors import ConfigError
+from embckpt import ConfigError
+from embckpt.examples.dataset import ClickDataset
+from embckpt.examples.workload import WorkloadConfig
 
 __all__ = [
     "EBC_MODULE_PATH",

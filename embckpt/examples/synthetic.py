@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from embckpt.config import WorkloadConfig
-from embckpt.data import ClickDataset
-from embckpt.errors import ConfigError
+from embckpt import ConfigError
+from embckpt.examples.dataset import ClickDataset
+from embckpt.examples.workload import WorkloadConfig
 
 __all__ = ["make_synthetic_dataset"]
 

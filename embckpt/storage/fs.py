@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.paths import path_problem
 
 MANIFEST_NAME = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
@@ -142,13 +144,35 @@ class CheckpointStore:
                 os.close(dir_fd)
 
     # -- reads ----------------------------------------------------------------------------------
+    def check_contained(self, step: int, relatives: Iterable[str], manifest_path: str) -> None:
+        """Refuses file names that leave the step folder: by their spelling (``..``, absolute,
+        a scheme) or, on local disks, through a symbolic link (the real path of each existing
+        file must lie under the real path of the step folder).
+
+        Raises:
+            CheckpointCorruptError: names the manifest and the entry at fault.
+        """
+        folder = os.path.realpath(self.step_path(step)) if self.is_local else ""
+        for relative in relatives:
+            problem = path_problem(relative)
+            if problem is None and self.is_local:
+                real = os.path.realpath(self.step_path(step, relative))
+                if os.path.commonpath([folder, real]) != folder:
+                    problem = f"a symbolic link leads outside the checkpoint folder (to {real})"
+            if problem is not None:
+                raise CheckpointCorruptError(manifest_path, f"file entry {relative!r}: {problem}")
+
     def read_file(self, step: int, relative: str) -> pa.Buffer:
         """Reads a whole file of a step folder.
 
         Raises:
-            CheckpointCorruptError: the file is missing or unreadable.
+            CheckpointCorruptError: the file is missing or unreadable, or ``relative`` does not
+                name a file inside the step folder.
         """
         path = self.step_path(step, relative)
+        problem = path_problem(relative)
+        if problem is not None:
+            raise CheckpointCorruptError(path, problem)
         try:
             with self.fs.open_input_file(path) as src:
                 return src.read_buffer()

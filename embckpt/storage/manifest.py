@@ -15,9 +15,9 @@ from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.fs import WrittenFile
+from embckpt.storage.paths import path_problem
 
 FORMAT_VERSION = 1
-KINDS = ("full", "diff")
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,6 @@ class Manifest:
     def rows_written(self) -> int:
         return sum(f.rows for f in self.files if f.role == "rows")
 
-    def table(self, name: str) -> TableEntry | None:
-        return next((t for t in self.tables if t.name == name), None)
-
     def with_stats(self, **stats: Any) -> Manifest:
         return replace(self, stats={**self.stats, **stats})
 
@@ -196,7 +193,7 @@ class Manifest:
                 path, f"manifest format version {version} is not supported (this reader: 1)"
             )
         try:
-            return cls(
+            manifest = cls(
                 **{
                     **body,
                     "tables": tuple(
@@ -216,6 +213,11 @@ class Manifest:
             )
         except (TypeError, KeyError) as exc:
             raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
+        for entry in manifest.files:
+            problem = path_problem(entry.path)
+            if problem is not None:
+                raise CheckpointCorruptError(path, f"file entry {entry.path!r}: {problem}")
+        return manifest
 
 
 def _file_entry(body: Mapping[str, Any]) -> FileEntry:

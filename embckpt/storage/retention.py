@@ -10,23 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from embckpt.storage.chain import load_manifests, needed_steps
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.manifest import Manifest
-from embckpt.storage.verify import load_manifests
 
 log = logging.getLogger(__name__)
-
-
-def needed_steps(manifests: dict[int, Manifest], keep: list[int]) -> set[int]:
-    """``keep`` and every step their chains depend on."""
-    needed: set[int] = set()
-    for step in keep:
-        current: int | None = step
-        while current is not None and current not in needed:
-            needed.add(current)
-            manifest = manifests.get(current)
-            current = manifest.parent_step if manifest is not None else None
-    return needed
 
 
 def apply_retention(store: CheckpointStore, keep_last: int) -> list[int]:

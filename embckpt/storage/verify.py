@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.chain import chain_steps, load_manifests, missing_parent
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
-from embckpt.storage.manifest import Manifest
 
 
 @dataclass
@@ -29,21 +29,6 @@ class VerifyReport:
         return not self.problems
 
 
-def load_manifests(store: CheckpointStore) -> tuple[dict[int, Manifest], list[tuple[str, str]]]:
-    """Every committed manifest that parses, and the problems of those that do not."""
-    manifests: dict[int, Manifest] = {}
-    problems: list[tuple[str, str]] = []
-    for step in store.committed_steps():
-        path = store.step_path(step, MANIFEST_NAME)
-        try:
-            manifests[step] = Manifest.from_json(
-                store.read_file(step, MANIFEST_NAME).to_pybytes().decode(), path
-            )
-        except (CheckpointCorruptError, UnicodeDecodeError) as exc:
-            problems.append((path, getattr(exc, "reason", str(exc))))
-    return manifests, problems
-
-
 def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
     """Checks every committed checkpoint (or only ``step`` and its chain)."""
     report = VerifyReport(leftovers=store.leftover_steps())
@@ -53,7 +38,7 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
         if step not in committed:
             report.problems.append((store.step_path(step, MANIFEST_NAME), "not committed"))
             return report
-        wanted = _chain_steps(manifests, step)
+        wanted = sorted(set(chain_steps(manifests, step)) | {step})
         problems = [p for p in problems if any(store.step_path(s) in p[0] for s in wanted)]
     else:
         wanted = sorted(committed)
@@ -69,24 +54,12 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
                 store.read_checked(current, entry.written)
             except CheckpointCorruptError as exc:
                 report.problems.append((exc.path, exc.reason))
-        parent = manifest.parent_step
-        while parent is not None:
-            if parent not in committed:
-                report.problems.append(
-                    (
-                        store.step_path(parent, MANIFEST_NAME),
-                        f"missing: step {current} depends on it (base {manifest.base_step})",
-                    )
+        missing = missing_parent(manifests, current)
+        if missing is not None and missing not in committed:
+            report.problems.append(
+                (
+                    store.step_path(missing, MANIFEST_NAME),
+                    f"missing: step {current} depends on it (base {manifest.base_step})",
                 )
-                break
-            parent = manifests[parent].parent_step if parent in manifests else None
+            )
     return report
-
-
-def _chain_steps(manifests: dict[int, Manifest], step: int) -> list[int]:
-    chain: list[int] = []
-    current: int | None = step
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = manifests[current].parent_step if current in manifests else None
-    return sorted(chain)

@@ -3,8 +3,8 @@
 :func:`build_report` reads every committed manifest of a checkpoint directory (local path or any
 ``pyarrow.fs`` URI) and lists each step folder once, so the totals are the bytes on disk now.
 It never fails on an empty, missing or half-written directory: ``notes`` says what it found.
-:func:`format_table` renders the text form; ``embckpt.plots``, ``embckpt.report_html`` and
-``embckpt.projection`` render figures, the HTML page and the projection from the same dict.
+:func:`format_table` renders the text form; ``embckpt.report.plots``, ``embckpt.report.html`` and
+``embckpt.report.projection`` render figures, the HTML page and the projection from the same dict.
 
 Definitions (each a measurement of what is on disk now, not of what was ever written):
 
@@ -79,7 +79,7 @@ ever added, never renamed; ``?`` marks a value that may be null; tests check thi
     unreadable[]:                      manifests that do not parse
         path: str
         reason: str
-    projection: object?                only with --project: see embckpt.projection
+    projection: object?                only with --project: see embckpt.report.projection
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from embckpt.errors import CheckpointCorruptError
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.chain import chain_steps, read_manifest
+from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest, TableEntry
 
 REPORT_VERSION = 1
@@ -115,12 +116,10 @@ def build_report(store: CheckpointStore, *, progress: bool | None = None) -> dic
     unreadable: list[dict[str, str]] = []
     on_disk: dict[int, dict[str, int]] = {}
     for step in _progress(committed, len(committed) + len(leftovers), progress):
-        path = store.step_path(step, MANIFEST_NAME)
         try:
-            text = store.read_file(step, MANIFEST_NAME).to_pybytes().decode()
-            manifests[step] = Manifest.from_json(text, path)
-        except (CheckpointCorruptError, UnicodeDecodeError) as exc:
-            unreadable.append({"path": path, "reason": getattr(exc, "reason", str(exc))})
+            manifests[step] = read_manifest(store, step)
+        except CheckpointCorruptError as exc:
+            unreadable.append({"path": exc.path, "reason": exc.reason})
             continue
         on_disk[step] = _list_sizes(store, step)
     leftover_bytes = sum(sum(_list_sizes(store, s).values()) for s in leftovers)
@@ -136,7 +135,7 @@ def build_report(store: CheckpointStore, *, progress: bool | None = None) -> dic
         restore[step] = row["bytes"] + (restore.get(parent, 0) if parent is not None else 0)
         rows.append({**row, "cumulative_bytes": cumulative, "restore_chain_bytes": restore[step]})
 
-    chain = _chain(manifests, max(manifests)) if manifests else []
+    chain = chain_steps(manifests, max(manifests)) if manifests else []
     fulls = [r["bytes"] for r in rows if r["kind"] == "full"]
     written = sum(r["bytes"] for r in rows)
     fp32 = sum(r["full_fp32_bytes"] for r in rows)
@@ -188,16 +187,6 @@ def _list_sizes(store: CheckpointStore, step: int) -> dict[str, int]:
         for info in store.fs.get_file_info(selector)
         if info.type == pafs.FileType.File
     }
-
-
-def _chain(manifests: dict[int, Manifest], step: int) -> list[int]:
-    """Steps a restore of ``step`` reads, base first; stops at a checkpoint that is not there."""
-    chain: list[int] = []
-    current: int | None = step
-    while current is not None and current in manifests and current not in chain:
-        chain.append(current)
-        current = manifests[current].parent_step
-    return chain[::-1]
 
 
 def _checkpoint_row(

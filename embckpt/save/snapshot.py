@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from embckpt.save.staging import StagingArena
 from embckpt.sharding import TableShard
-from embckpt.staging import StagingArena
 
 _ALIGN_SLACK = 64  # bytes the arena may pad each staged tensor with
 

@@ -52,7 +52,7 @@ import re
 import textwrap
 from typing import Any
 
-from embckpt.report import format_bytes
+from embckpt.report.build import format_bytes
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b)?\s*$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|min|h|d|w)\s*$", re.IGNORECASE)
@@ -97,7 +97,7 @@ def project(
     """Projects write bandwidth and storage for a model of ``model_bytes`` (full fp32).
 
     Args:
-        report: a report from :func:`embckpt.report.build_report`.
+        report: a report from :func:`embckpt.report.build.build_report`.
         model_bytes: the real model's full fp32 checkpoint (tables and optimizer state).
         interval_seconds: time between two checkpoints.
         days: how long training runs.

@@ -112,7 +112,7 @@ def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Man
         EmbckptError: the chain's blocks do not line up (written by different sharding plans).
         CheckpointCorruptError / ChainIncompleteError: a file or link of the chain is bad.
     """
-    from embckpt.restore import read_chain
+    from embckpt.storage.chain import read_chain
 
     chain = read_chain(store, step)
     head = chain[-1]

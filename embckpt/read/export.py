@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from embckpt import dense
-from embckpt.codecs.base import dtype_from_name
-from embckpt.reader import apply_staged, default_threads, plan_reads, stage
-from embckpt.restore import read_chain
+from embckpt.dtypes import dtype_from_name
+from embckpt.read.reader import apply_staged, default_threads, plan_reads, stage
 from embckpt.sharding import TableShard
+from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 

@@ -7,7 +7,7 @@ Stages (every rank, together):
 2. chain   - read the manifests from the target back through its parents to the full base,
              each checking its own checksum; a missing link is named with what needs it;
 3. match   - the model's tables (names, shapes, dtypes) must equal the checkpoint's;
-4. stage   - (see :mod:`embckpt.reader`) each rank fetches, with its own threads, only the row
+4. stage   - (see :mod:`embckpt.read.reader`) each rank fetches, with its own threads, only the row
              groups of the chain's files that overlap its own blocks, and checks every byte
              it fetched; the dense and per-rank files are read whole and checked. Only the
              reader's own plan is needed: files are addressed by global rows and columns;
@@ -36,102 +36,54 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from embckpt import dense
-from embckpt.codecs.base import dtype_name
+from embckpt.collective import Collective
+from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
     CheckpointCorruptError,
     EmbckptError,
     ModelMismatchError,
 )
-from embckpt.reader import (
+from embckpt.read.reader import (
     ReadCost,
     StagedFile,
     apply_staged,
-    default_threads,
     plan_reads,
     release,
     stage,
 )
+from embckpt.sharding import ShardedModel
+from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 from embckpt.storage.manifest import Manifest
-
-if TYPE_CHECKING:
-    from embckpt.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
 PROGRESS_MIN_BYTES = 256 << 20  # a progress bar only for restores reading more than this
 
 
-# -- chain ------------------------------------------------------------------------------------
-def read_manifest(store: CheckpointStore, step: int) -> Manifest:
-    """Reads and checks one committed manifest.
+@dataclass(frozen=True)
+class RestoreTarget:
+    """What a restore loads into: the live model and its optimizers, this rank's blocks, the
+    stateful objects, the ranks to agree with, and the directory to read from."""
 
-    Raises:
-        ChainIncompleteError: the step has no manifest.
-        CheckpointCorruptError: the manifest is damaged.
-    """
-    path = store.step_path(step, MANIFEST_NAME)
-    if not store.is_committed(step):
-        raise ChainIncompleteError(path, f"checkpoint of step {step} is not committed")
-    manifest = Manifest.from_json(store.read_file(step, MANIFEST_NAME).to_pybytes().decode(), path)
-    if manifest.step != step:
-        raise CheckpointCorruptError(path, f"manifest says step {manifest.step}, folder {step}")
-    return manifest
+    model: Any
+    optimizer: Any | None
+    sharded: ShardedModel
+    statefuls: Mapping[str, dense.Stateful]
+    comm: Collective
+    store: CheckpointStore
+    threads: int
 
 
-def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
-    """The manifests a restore of ``step`` (the latest committed one if None) needs, base
-    (full) first.
-
-    Raises:
-        ChainIncompleteError: no committed checkpoint (``step`` None), or a checkpoint of the
-            chain is not committed; the message names
-            it, the checkpoint that needs it and the steps that are committed.
-        CheckpointCorruptError: a manifest is damaged or the chain does not lead to a full
-            checkpoint.
-    """
-    if step is None:
-        latest = store.committed_steps()
-        if not latest:
-            raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
-        step = latest[-1]
-    chain = [read_manifest(store, step)]
-    while chain[-1].parent_step is not None:
-        child, parent = chain[-1], chain[-1].parent_step
-        if parent in {m.step for m in chain} or parent >= child.step:
-            raise CheckpointCorruptError(
-                store.step_path(child.step, MANIFEST_NAME), f"parent step {parent} is not older"
-            )
-        try:
-            chain.append(read_manifest(store, parent))
-        except ChainIncompleteError as exc:
-            links = " <- ".join(str(s) for s in [child.base_step, parent, *_steps(chain[::-1])])
-            committed = ", ".join(map(str, store.committed_steps())) or "none"
-            raise ChainIncompleteError(
-                exc.path,
-                f"step {parent} is missing (not committed): it is the parent of step "
-                f"{child.step}, and step {step} needs the chain {links} (full base "
-                f"{child.base_step}); committed steps: {committed}",
-            ) from None
-    if chain[-1].kind != "full":
-        raise ChainIncompleteError(
-            store.step_path(chain[-1].step, MANIFEST_NAME),
-            "chain does not start at a full checkpoint",
-        )
-    return chain[::-1]
-
-
-def _steps(chain: Sequence[Manifest]) -> list[int]:
-    return [m.step for m in chain]
-
-
-def check_model_matches(ckpt: Checkpointer, manifest: Manifest, path: str) -> None:
+def check_model_matches(ckpt: RestoreTarget, manifest: Manifest, path: str) -> None:
     """Raises ModelMismatchError naming the first table that differs."""
     model_tables = ckpt.sharded.table_shapes
     saved = {t.name: t for t in manifest.tables}
@@ -164,7 +116,7 @@ class _SideState:
     skipped: list[str] = field(default_factory=list)
 
 
-def _read_side_state(ckpt: Checkpointer, head: Manifest, cost: ReadCost) -> _SideState:
+def _read_side_state(ckpt: RestoreTarget, head: Manifest, cost: ReadCost) -> _SideState:
     store, comm = ckpt.store, ckpt.comm
     manifest_path = store.step_path(head.step, MANIFEST_NAME)
     dense_entry = next((f for f in head.files if f.role == "dense"), None)
@@ -204,7 +156,7 @@ def _read_side_state(ckpt: Checkpointer, head: Manifest, cost: ReadCost) -> _Sid
     return side
 
 
-def _check_dense(ckpt: Checkpointer, state: dict[str, Any], path: str) -> None:
+def _check_dense(ckpt: RestoreTarget, state: dict[str, Any], path: str) -> None:
     """Refuses, before anything is loaded, dense state the live model or optimizer would
     reject half-way through loading it."""
     live = ckpt.model.state_dict()
@@ -227,7 +179,7 @@ def _check_dense(ckpt: Checkpointer, state: dict[str, Any], path: str) -> None:
         )
 
 
-def _apply_side_state(ckpt: Checkpointer, side: _SideState) -> None:
+def _apply_side_state(ckpt: RestoreTarget, side: _SideState) -> None:
     state = dict(side.dense)
     # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
     state["fused_scalars"] = {
@@ -255,6 +207,8 @@ class RestoreResult:
         cost: what this rank read.
         seconds: wall time of the whole restore; ``stage_seconds`` of plan + stage + agree.
         skipped: per-rank state that was not restored, with the reason (world size changed).
+        diff_rows: (block key, local rows) this rank restored from the chain's diffs: the rows
+            that changed since the chain's full base (the caller's tracker marks them).
     """
 
     manifest: Manifest
@@ -263,10 +217,11 @@ class RestoreResult:
     seconds: float
     stage_seconds: float
     skipped: tuple[str, ...]
+    diff_rows: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 def restore_checkpoint(
-    ckpt: Checkpointer,
+    ckpt: RestoreTarget,
     step: int | None = None,
     *,
     threads: int | None = None,
@@ -275,15 +230,15 @@ def restore_checkpoint(
     """Restores checkpoint ``step`` (latest if None) into ``ckpt``'s model (collective).
 
     Args:
-        ckpt: the checkpointer of the model to load; any world size and sharding plan.
+        ckpt: the model and state to load; any world size and sharding plan.
         step: the step to restore; None for the latest committed one.
-        threads: reader threads per rank (default: :func:`default_threads`).
+        threads: reader threads per rank (default: ``ckpt.threads``).
         progress: a progress bar on rank 0; None shows one when the restore reads more than
             ``PROGRESS_MIN_BYTES`` and stderr is a terminal.
 
     Returns:
-        What was restored (``ckpt.head`` becomes its manifest, so the next save continues its
-        chain); None on every rank if the directory holds no committed checkpoint.
+        What was restored (nothing else is changed: the caller continues the chain); None on
+        every rank if the directory holds no committed checkpoint.
 
     Raises:
         ChainIncompleteError: ``step`` or a checkpoint its chain needs is not committed.
@@ -294,7 +249,7 @@ def restore_checkpoint(
     """
     started = time.perf_counter()
     comm, store = ckpt.comm, ckpt.store
-    threads = threads or default_threads(ckpt.config)
+    threads = threads or ckpt.threads
     choice: tuple[int | None, str | None] = (None, None)
     if comm.rank == 0:
         committed = store.committed_steps()
@@ -341,20 +296,16 @@ def restore_checkpoint(
     applied = apply_staged(staged, threads)
     assert side is not None  # read above, or every rank raised
     _apply_side_state(ckpt, side)
-    ckpt.tracker.reset()
-    for piece in applied:
-        if piece.from_diff:
-            ckpt.tracker.mark(piece.shard.key, piece.local_rows, "since_full")
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)
-    ckpt.head = chain[-1]  # the next checkpoint continues this chain
     result = RestoreResult(
         manifest=chain[-1],
-        chain=tuple(_steps(chain)),
+        chain=tuple(m.step for m in chain),
         cost=cost,
         seconds=time.perf_counter() - started,
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
+        diff_rows=tuple((p.shard.key, p.local_rows) for p in applied if p.from_diff),
     )
     log.info(
         "restored step %d (chain %s) in %.3f s: read %.1f MB of rows files for %.1f MB needed",
@@ -365,12 +316,6 @@ def restore_checkpoint(
         cost.bytes_needed / 1e6,
     )
     return result
-
-
-def restore_into(ckpt: Checkpointer, step: int | None) -> Manifest | None:
-    """What ``Checkpointer.restore`` calls: :func:`restore_checkpoint`, returning the manifest."""
-    result = restore_checkpoint(ckpt, step)
-    return None if result is None else result.manifest
 
 
 def _tty() -> bool:

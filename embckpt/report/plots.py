@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
 from typing import Any
 
-from embckpt.report import format_bytes
+from embckpt.report.build import format_bytes
 
 LOG_SPAN = 30.0
 MAX_TABLES = 40  # the per-table panel shows the tables that wrote the most bytes
@@ -60,13 +59,6 @@ def render_png(report: dict[str, Any], dpi: int = 110) -> bytes:
     fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
     return buffer.getvalue()
-
-
-def write_png(report: dict[str, Any], path: str | Path) -> int:
-    """Writes :func:`render_png` to ``path``; returns the bytes written."""
-    data = render_png(report)
-    Path(path).write_bytes(data)
-    return len(data)
 
 
 def _bytes_yaxis(ax: Any, values: list[float]) -> None:

@@ -2,7 +2,7 @@
 
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
 writes one file per unit in parallel. Delta codecs (``exponent``) encode against the writer's
-:class:`~embckpt.reference.ReconstructedRows`: full checkpoints go through the base codec and
+:class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the base codec and
 reset it, incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base.
 """
 
@@ -12,11 +12,12 @@ import concurrent.futures
 
 from embckpt.codecs import Codec, EncodedRows
 from embckpt.policy import Decision, Kind
-from embckpt.reference import ReconstructedRows
-from embckpt.snapshot import StagedUnit
+from embckpt.save.reference import ReconstructedRows
+from embckpt.save.snapshot import StagedUnit
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.shardfile import encode_file, index_file
+from embckpt.tracking import View
 
 
 class RowFileWriter:
@@ -72,7 +73,7 @@ class RowFileWriter:
             self.reference.set(key, rows, self.base_codec.decode(encoded, cols))
             return self.base_codec, encoded
         encoded = codec.encode(self.reference.delta(key, rows, block.weights))
-        if decision.view == "since_last":  # incremental: the chain now includes this delta
+        if decision.view is View.SINCE_LAST:  # incremental: the chain now includes this delta
             self.reference.add(key, rows, codec.decode(encoded, cols))
         return codec, encoded
 

@@ -1,6 +1,6 @@
 """A storage-cost report as one self-contained HTML page.
 
-The page holds the totals, the figure of :mod:`embckpt.plots` (a PNG inlined as a base64 data
+The page holds the totals, the figure of :mod:`embckpt.report.plots` (a PNG inlined as a base64 data
 URI), the checkpoint and table lists and, when the report has one, the projection. Its CSS is
 inline and it links to nothing, so it can be mailed or attached to a ticket as it is.
 """
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from embckpt.projection import format_days
-from embckpt.report import format_bytes
+from embckpt.report.build import format_bytes
+from embckpt.report.projection import format_days
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
