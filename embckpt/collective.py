@@ -1,8 +1,9 @@
 """The checkpointer's own collectives, on a gloo group of their own.
 
-Checkpoint traffic never shares a group with training (async collectives on the training group
-hang, see TORCHREC_NOTES.md). A single process without ``torch.distributed`` gets the same API
-with trivial answers, so the rest of embckpt never branches on it.
+Checkpoint traffic never shares a group with training: collectives issued from the persist
+thread on the training group hang, because they interleave with the training loop's own. A
+single process without ``torch.distributed`` gets the same API with trivial answers, so the
+rest of embckpt never branches on it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class RawCodec(StagedCodec):
 
     Args:
         entropy: entropy stage over the row bytes (default ``none``: generic compression
-            saves little on fp32 weights, see TORCHREC_NOTES.md).
+            saves little on fp32 weights, see ``raw`` in benchmarks/results/codecs.json).
     """
 
     codec_id = "raw"
