@@ -29,7 +29,6 @@ from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 
-FORMATS = ("dcp", "safetensors")
 DEFAULT_TABLE_PREFIX = "sparse_arch.embedding_bag_collection.embedding_bags."
 """Where a table's weight sits in ``dmp.state_dict()`` when the manifest does not say (files
 written before manifests recorded it): the reference DLRM's collection."""
