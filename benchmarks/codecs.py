@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # the codec round-trip helpers
 
 from codec_roundtrip import encoded_bytes_per_row  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
