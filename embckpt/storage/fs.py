@@ -114,7 +114,16 @@ class CheckpointStore:
 
     # -- writes ---------------------------------------------------------------------------------
     def write_file(self, step: int, relative: str, data: pa.Buffer | bytes) -> WrittenFile:
-        """Writes one whole file of a step folder and returns its size and checksum."""
+        """Writes one whole file of a step folder and returns its size and checksum.
+
+        Raises:
+            ValueError: ``relative`` would leave the step folder (e.g. a table named ``a/../..``):
+                it is refused here, or it would be written outside and the manifest naming it
+                refused by every reader.
+        """
+        problem = path_problem(relative)
+        if problem is not None:
+            raise ValueError(f"{self.step_path(step, relative)}: {problem}")
         digest = hashlib.sha256(memoryview(data)).hexdigest()
         self.write_atomic(self.step_path(step, relative), data)
         return WrittenFile(path=relative, bytes=len(memoryview(data)), sha256=digest)
