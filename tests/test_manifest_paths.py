@@ -255,11 +255,6 @@ def test_a_writer_cannot_name_a_file_outside_the_step_folder(tmp_path: Path, nam
     assert not (tmp_path / "x.bin").exists() and not (tmp_path / "ckpts" / "x.bin").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify.py: with a step, problems are kept only for the steps of its chain as far as "
-    "it reads, so an unreadable (committed) parent manifest is filtered out and the step passes",
-)
 def test_verify_of_one_step_fails_on_its_crafted_parent(run_copy: Path, tmp_path: Path) -> None:
     directory = run_copy / "incremental"
     CRAFTS["dotdot"](_step_dir(directory, 10), tmp_path / "outside")

@@ -39,7 +39,10 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
             report.problems.append((store.step_path(step, MANIFEST_NAME), "not committed"))
             return report
         wanted = sorted(set(chain_steps(manifests, step)) | {step})
-        problems = [p for p in problems if any(store.step_path(s) in p[0] for s in wanted)]
+        # The walk stops at an unreadable parent: its problem belongs to this chain too.
+        missing = missing_parent(manifests, step)
+        involved = {*wanted, *([missing] if missing is not None else [])}
+        problems = [p for p in problems if any(_in_step(store, s, p[0]) for s in involved)]
     else:
         wanted = sorted(committed)
     report.problems.extend(problems)
@@ -63,3 +66,7 @@ def verify(store: CheckpointStore, step: int | None = None) -> VerifyReport:
                 )
             )
     return report
+
+
+def _in_step(store: CheckpointStore, step: int, path: str) -> bool:
+    return path == store.step_path(step) or path.startswith(store.step_path(step) + "/")
