@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from embckpt.config import CheckpointConfig
-from embckpt.errors import ConfigError
+from embckpt.errors import ConfigError, UnknownCodecError
 from embckpt.policy import Kind, PolicyInput, make_policy
 from embckpt.storage.manifest import HistoryEntry
 
@@ -46,3 +46,29 @@ def test_full_every_k(policy: str) -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ConfigError, match="policy 'nope'"):
         CheckpointConfig(policy="nope")
+
+
+def test_a_newly_registered_policy_is_accepted_by_the_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from embckpt.policy import POLICIES, Decision, Policy, PolicyInput
+
+    class AlwaysFull(Policy):
+        name = "always_full"
+
+        def _decide_diff(self, stats: PolicyInput) -> Decision:
+            return Decision(Kind.FULL, reason="always")
+
+    monkeypatch.setitem(POLICIES, AlwaysFull.name, AlwaysFull)
+    config = CheckpointConfig(policy="always_full", full_every=0)
+    decision = make_policy(config).decide(PolicyInput(100, 0.2, 0.4, _history(3)))
+    assert decision.kind is Kind.FULL and decision.reason == "always"
+
+
+def test_codec_names_and_widths_are_checked_by_the_codec_registry() -> None:
+    with pytest.raises(ConfigError, match="bits must be one of"):
+        CheckpointConfig(codec="asymmetric", bits=5)
+    with pytest.raises(ConfigError, match="entropy must be one of"):
+        CheckpointConfig(codec="asymmetric", entropy="gzip")
+    with pytest.raises(UnknownCodecError):
+        CheckpointConfig(optimizer_codec="nope")
