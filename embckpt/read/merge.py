@@ -1,32 +1,78 @@
 """Checkpoint merging (LC-Checkpoint): fold a chain into one self-contained checkpoint.
 
-``merge(store, step)`` rewrites checkpoint ``step`` as a full checkpoint holding exactly the
-state a restore of its chain produces, so it no longer needs its base or parents. For each table
-block, the newest version of every row wins (the rows' encoded bytes are kept as they are, so a
-quantized chain is not quantized twice); rows written with a delta codec are decoded and summed
-instead, and that block is stored lossless. The new files go under ``merged/`` in the step's
-folder, then the new manifest replaces the old one in one atomic rename, then the old files
-are deleted: a crash at any point leaves either the old or the new checkpoint committed.
+``merge(store, step)`` rewrites checkpoint ``step`` as a full checkpoint that restores bit for
+bit what its chain (full base, then diffs) restores, so it no longer needs its base or parents.
+
+Every rows file carries its own codec metadata (Huffman tables, k-means codebooks, parameter
+dtypes), so encoded bytes are only ever decoded under the metadata of the file they came from:
+
+1. per table block (same table, offsets and shape in every checkpoint of the chain; a chain
+   written by different sharding plans is refused), every row's *winner* is the newest chain
+   file holding it (files in chain order, as a restore applies them: the newest write wins);
+2. rows whose winner has a plain (non-``delta``) codec: a restore leaves exactly that file's
+   decoded row, so the merged file of that source keeps the winner's encoded bytes (an Arrow
+   ``take`` of each column) under the winner's own metadata (codec, codec_meta, state codec,
+   elem_meta) and Parquet compression. Nothing is decoded or quantized again;
+3. rows whose winner has a ``delta`` codec (``exponent`` diffs, which a restore *adds* to the
+   rows restored so far): the block is rebuilt by the reader itself (``plan_reads``, ``stage``,
+   ``apply_staged`` into a zeroed block of the table's dtype, the code path of a restore), and
+   those rows are stored with the lossless ``raw`` codec in that dtype. Optimizer states are
+   never deltas (element-wise states of a delta state codec are refused), so a row's row-wise
+   and element-wise states are always the winner's, copied as encoded;
+4. one merged file per (block, source file that still wins rows), each with a fresh row-group
+   index, so partial reads still work; dense and per-rank files are kept as they are.
+
+Crash safety, under the directory lock: new files go under a folder of the step that no file
+of the old manifest uses (``merged/``), then the new manifest replaces the old one in one
+atomic rename, then every file the new manifest does not list is deleted (the old files and
+debris of earlier killed merges). A kill at any point leaves either the old or the new
+checkpoint committed, each complete; debris is never listed, so ``verify`` stays clean. Later
+diffs whose parent is ``step`` stay correct: the merged step restores the same state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
 from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
+from embckpt.dtypes import dtype_from_name
 from embckpt.errors import EmbckptError
+from embckpt.read.reader import apply_staged, default_threads, plan_reads, stage
+from embckpt.sharding import TableShard
+from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
-from embckpt.storage.shardfile import RowBlock, decode_file, encode_file
+from embckpt.storage.lock import DirectoryLock
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
+from embckpt.storage.shardfile import (
+    ELEM_STATE_PREFIX,
+    RowBlock,
+    decode_file,
+    encode_file,
+    index_file,
+)
 
 _BlockKey = tuple[str, int, int, int, int]
+_FILE_META = ("codec_meta", "elem_meta")  # rebuilt by encode_file from the encoded columns
+
+
+@dataclasses.dataclass
+class _Source:
+    """One rows file of the chain, read whole and checked, with what its codecs are."""
+
+    step: int
+    entry: FileEntry
+    block: RowBlock
+    compression: dict[str, str]  # Parquet compression of each column, as written
+    delta: bool  # the row codec adds to earlier rows
 
 
 def _key(entry: FileEntry) -> _BlockKey:
@@ -39,61 +85,9 @@ def _latest_rows(rows: np.ndarray) -> np.ndarray:
     return len(rows) - 1 - first_from_end
 
 
-def _concat(arrays: list[pa.Array | pa.ChunkedArray]) -> pa.Array:
-    chunks = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
-    return pa.concat_arrays(chunks)
-
-
-def _merge_block(pieces: list[tuple[RowBlock, dict[str, str]]], cols: int) -> tuple:
-    """Returns rows, encoded rows, row states, element-wise states, metadata of the fold."""
-    rows = np.concatenate([block.rows for block, _ in pieces])
-    keep = _latest_rows(rows)
-    take = pa.array(keep)
-    newest = pieces[-1][0]
-    row_states = {
-        name: np.concatenate([b.row_states[name] for b, _ in pieces])[keep]
-        for name in newest.row_states
-    }
-    elem_states = {
-        name: EncodedRows(
-            columns={
-                col: _concat([b.elem_states[name].columns[col] for b, _ in pieces]).take(take)
-                for col in state.columns
-            },
-            metadata=state.metadata,
-        )
-        for name, state in newest.elem_states.items()
-    }
-    codecs = [codec_from_config(b.metadata["codec"]) for b, _ in pieces]
-    same = all(b.metadata["codec"] == newest.metadata["codec"] for b, _ in pieces)
-    meta = dict(newest.metadata)
-    if same and not codecs[-1].delta:
-        encoded = EncodedRows(
-            columns={
-                col: _concat([b.encoded.columns[col] for b, _ in pieces]).take(take)
-                for col in newest.encoded.columns
-            },
-            metadata=newest.encoded.metadata,
-            compression=pieces[-1][1],
-        )
-        return rows[keep], encoded, row_states, elem_states, meta
-    # Mixed or delta codecs: rebuild the values in chain order and store them lossless.
-    ids = rows[keep]
-    values = torch.zeros(len(ids), cols)
-    for (block, _), codec in zip(pieces, codecs, strict=True):
-        decoded = codec.decode(block.encoded, cols).float()
-        where = torch.from_numpy(np.searchsorted(ids, block.rows))
-        if codec.delta:
-            values.index_add_(0, where, decoded)
-        else:
-            values[where] = decoded
-    raw = make_codec("raw")
-    meta["codec"] = raw.get_config()
-    return ids, raw.encode(values), row_states, elem_states, meta
-
-
 def _compression(data: pa.Buffer) -> dict[str, str]:
-    """The Parquet compression each column of a file was written with."""
+    """The Parquet compression each column of a file was written with (the codec asked for
+    it, e.g. zstd as the entropy stage): kept so a copied column stays as small as it was."""
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
     if meta.num_row_groups == 0:
         return {}
@@ -106,58 +100,43 @@ def _compression(data: pa.Buffer) -> dict[str, str]:
 
 
 def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Manifest:
-    """Rewrites checkpoint ``step`` as one self-contained full checkpoint.
+    """Rewrites checkpoint ``step`` as one self-contained full checkpoint (see module doc).
+
+    Holds the directory lock throughout: a merge rewrites a committed manifest and deletes
+    files, which must not race a job saving or cleaning up in the same directory.
 
     Raises:
-        EmbckptError: the chain's blocks do not line up (written by different sharding plans).
+        DirectoryLockedError: another live job holds the directory.
+        EmbckptError: the chain's blocks do not line up (written by different sharding plans),
+            rows of a delta codec have no earlier full version to add to, or element-wise
+            optimizer states were written with a delta codec.
         CheckpointCorruptError / ChainIncompleteError: a file or link of the chain is bad.
     """
-    from embckpt.storage.chain import read_chain
+    lock = DirectoryLock(store.fs, store.root, store.is_local)
+    lock.acquire()
+    try:
+        return _merge_locked(store, step, row_group_rows)
+    finally:
+        lock.release()
 
+
+def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Manifest:
     chain = read_chain(store, step)
     head = chain[-1]
     if len(chain) == 1:
+        _delete_unlisted(store, head)  # debris of a merge killed after its commit
         return head
-    by_block: dict[_BlockKey, list[tuple[Manifest, FileEntry]]] = defaultdict(list)
-    for manifest in chain:
-        for entry in manifest.files:
-            if entry.role == "rows":
-                by_block[_key(entry)].append((manifest, entry))
-    base_blocks = {_key(e) for e in chain[0].files if e.role == "rows"}
-    stray = set(by_block) - base_blocks
-    if stray:
-        raise EmbckptError(
-            f"step {step}: blocks {sorted(stray)[:3]} are not in base {chain[0].step}; the chain "
-            "was written by different sharding plans and cannot be merged block by block"
-        )
+    blocks = _blocks(chain, step)
+    tables = {t.name: t for m in chain for t in m.tables}  # the newest entry of each table
+    prefix = _fresh_prefix(head)
     files: list[FileEntry] = []
-    for key, entries in sorted(by_block.items()):
-        pieces = []
-        for manifest, entry in entries:
-            data = store.read_checked(manifest.step, entry.written)
-            path = store.step_path(manifest.step, entry.path)
-            lo, hi = entry.row_offset, entry.row_offset + entry.shard_rows
-            pieces.append((decode_file(data, path, lo, hi), _compression(data)))
-        rows, encoded, row_states, elem_states, meta = _merge_block(pieces, key[4])
-        meta = {k: v for k, v in meta.items() if k not in ("codec_meta", "elem_meta")}
-        data = encode_file(rows, encoded, row_states, elem_states, meta, row_group_rows)
-        table, row_off, col_off, _, _ = key
-        relative = f"merged/tables/{table}/r{row_off}_c{col_off}.p0.parquet"
-        written = store.write_file(step, relative, data)
-        files.append(
-            dataclasses.replace(
-                entries[-1][1],
-                path=written.path,
-                bytes=written.bytes,
-                sha256=written.sha256,
-                rows=len(rows),
-            )
+    for key, entries in sorted(blocks.items()):
+        if key[0] not in tables:
+            raise EmbckptError(f"step {step}: table {key[0]!r} is in no manifest's table list")
+        files.extend(
+            _merge_block(store, chain, key, entries, tables[key[0]], prefix, row_group_rows)
         )
-    for entry in head.files:
-        if entry.role != "rows":
-            data = store.read_checked(step, entry.written)
-            written = store.write_file(step, f"merged/{entry.path}", data)
-            files.append(dataclasses.replace(entry, path=written.path))
+    files.extend(entry for entry in head.files if entry.role != "rows")  # kept in place
     total = sum(f.bytes for f in files)
     merged = dataclasses.replace(
         head,
@@ -173,9 +152,214 @@ def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Man
         },
     )
     store.write_atomic(store.step_path(step, MANIFEST_NAME), merged.to_json().encode())
-    for entry in head.files:
-        try:
-            store.fs.delete_file(store.step_path(step, entry.path))
-        except (FileNotFoundError, OSError):
-            pass  # already gone: nothing references it any more
+    _delete_unlisted(store, merged)
     return merged
+
+
+def _blocks(chain: Sequence[Manifest], step: int) -> dict[_BlockKey, list[tuple[int, FileEntry]]]:
+    """Every rows file of the chain by table block, in chain order, as (step, entry).
+
+    Raises:
+        EmbckptError: a diff has a block the base does not (another sharding plan).
+    """
+    by_block: dict[_BlockKey, list[tuple[int, FileEntry]]] = defaultdict(list)
+    for manifest in chain:
+        for entry in manifest.files:
+            if entry.role == "rows":
+                by_block[_key(entry)].append((manifest.step, entry))
+    base_blocks = {_key(e) for e in chain[0].files if e.role == "rows"}
+    stray = set(by_block) - base_blocks
+    if stray:
+        raise EmbckptError(
+            f"step {step}: blocks {sorted(stray)[:3]} are not in base {chain[0].step}; the chain "
+            "was written by different sharding plans and cannot be merged block by block"
+        )
+    return by_block
+
+
+def _fresh_prefix(head: Manifest) -> str:
+    """A folder of the step that no file of the old manifest lives in: new files never
+    overwrite a file the committed manifest still needs."""
+    n = 0
+    while True:
+        prefix = "merged/" if n == 0 else f"merged{n}/"
+        if not any(f.path.startswith(prefix) for f in head.files):
+            return prefix
+        n += 1
+
+
+def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source:
+    """Reads and checks one rows file of the chain; rebuilds its codecs from its metadata.
+
+    Raises:
+        EmbckptError: element-wise states of a delta codec: even the base's are added to
+            whatever state the restored model held, which no full checkpoint can reproduce.
+    """
+    data = store.read_checked(step, entry.written)
+    path = store.step_path(step, entry.path)
+    block = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
+    if block.elem_states and codec_from_config(block.metadata["state_codec"]).delta:
+        raise EmbckptError(
+            f"{path}: element-wise optimizer states use a delta codec "
+            f"({block.metadata['state_codec']}); such a chain cannot be merged exactly"
+        )
+    return _Source(
+        step=step,
+        entry=entry,
+        block=block,
+        compression=_compression(data),
+        delta=codec_from_config(block.metadata["codec"]).delta,
+    )
+
+
+def _merge_block(
+    store: CheckpointStore,
+    chain: Sequence[Manifest],
+    key: _BlockKey,
+    entries: Sequence[tuple[int, FileEntry]],
+    table: TableEntry,
+    prefix: str,
+    row_group_rows: int,
+) -> list[FileEntry]:
+    """Writes the merged files of one table block: one per source file that still wins rows."""
+    sources = [_read_source(store, s, e) for s, e in entries]
+    rows = np.concatenate([s.block.rows for s in sources])
+    owner = np.repeat(np.arange(len(sources)), [len(s.block.rows) for s in sources])
+    local = np.concatenate([np.arange(len(s.block.rows)) for s in sources])
+    latest = _latest_rows(rows)
+    win_owner, win_local = owner[latest], local[latest]
+    winning = [i for i in range(len(sources)) if np.any(win_owner == i)]
+    rebuilt = None
+    if any(sources[i].delta for i in winning):
+        _check_has_base(sources, rows, owner, win_owner, rows[latest], key)
+        rebuilt = _reconstruct(store, chain, key, table)
+    files = []
+    for i in winning:
+        source = sources[i]
+        picked = win_local[win_owner == i]  # ascending: a file's rows are sorted by row id
+        weights = None
+        if rebuilt is not None and source.delta:
+            weights = rebuilt[torch.from_numpy(source.block.rows[picked] - key[1])]
+        data = _encode_winners(source, picked, weights, row_group_rows)
+        table_name, row_off, col_off, _, _ = key
+        name = f"r{row_off}_c{col_off}.s{source.step}.f{i}.parquet"  # unique per source file
+        relative = f"{prefix}tables/{table_name}/{name}"
+        written = store.write_file(chain[-1].step, relative, data)
+        files.append(
+            dataclasses.replace(
+                source.entry,
+                path=written.path,
+                bytes=written.bytes,
+                sha256=written.sha256,
+                rows=len(picked),
+                index=index_file(data, written.sha256),
+            )
+        )
+    return files
+
+
+def _check_has_base(
+    sources: Sequence[_Source],
+    rows: np.ndarray,
+    owner: np.ndarray,
+    win_owner: np.ndarray,
+    win_rows: np.ndarray,
+    key: _BlockKey,
+) -> None:
+    """A delta row needs a plain version earlier in the chain: a restore adds the deltas to
+    it; without one the sum depends on the model restored into, which no full file can hold.
+
+    Raises:
+        EmbckptError: names the block and a row without a plain version.
+    """
+    plain = np.array([not s.delta for s in sources])
+    delta_won = np.array([s.delta for s in sources])[win_owner]
+    orphans = win_rows[delta_won & ~np.isin(win_rows, rows[plain[owner]])]
+    if len(orphans):
+        raise EmbckptError(
+            f"block {key}: row {int(orphans[0])} (and {len(orphans) - 1} more) appear only in "
+            "files of a delta codec; the chain has no full version of them to merge into"
+        )
+
+
+def _reconstruct(
+    store: CheckpointStore, chain: Sequence[Manifest], key: _BlockKey, table: TableEntry
+) -> torch.Tensor:
+    """The block's weights as a restore of the chain leaves them, rebuilt by the restore's own
+    reader (plan, stage, apply: deltas added in the same order and dtype), so merged rows are
+    the very values a restore of the chain produces."""
+    name, row_off, col_off, rows, cols = key
+    shard = TableShard(
+        table=name,
+        fqn="",
+        sharding_type="merge",
+        row_offset=row_off,
+        col_offset=col_off,
+        table_rows=table.rows,
+        table_cols=table.cols,
+        weight=torch.zeros(rows, cols, dtype=dtype_from_name(table.dtype)),
+    )
+    threads = default_threads()
+    staged, _ = stage(
+        store, len(chain), plan_reads(chain, [shard]), threads=threads, progress=False
+    )
+    apply_staged(staged, threads)
+    return shard.weight
+
+
+def _encode_winners(
+    source: _Source, picked: np.ndarray, weights: torch.Tensor | None, row_group_rows: int
+) -> pa.Buffer:
+    """One Parquet file of the rows ``picked`` (local indices) of ``source``: its encoded bytes
+    (weights, optimizer states) under its own metadata and compression, except the rebuilt
+    ``weights`` (given for delta codecs), stored ``raw`` in the table's dtype."""
+    block = source.block
+    take = pa.array(picked, type=pa.int64())
+    meta = {k: v for k, v in block.metadata.items() if k not in _FILE_META}
+    if weights is not None:
+        raw = make_codec("raw")
+        encoded = raw.encode(weights)
+        meta["codec"] = raw.get_config()
+    else:
+        columns = {name: col.take(take) for name, col in block.encoded.columns.items()}
+        kept = {c: source.compression[c] for c in columns}
+        encoded = EncodedRows(columns=columns, metadata=block.encoded.metadata, compression=kept)
+    elem_states = {
+        name: EncodedRows(
+            columns={col: values.take(take) for col, values in state.columns.items()},
+            metadata=state.metadata,
+        )
+        for name, state in block.elem_states.items()
+    }
+    elem_compression = {
+        c: v for c, v in source.compression.items() if c.startswith(ELEM_STATE_PREFIX)
+    }
+    encoded = dataclasses.replace(encoded, compression={**encoded.compression, **elem_compression})
+    row_states = {name: values[picked] for name, values in block.row_states.items()}
+    return encode_file(block.rows[picked], encoded, row_states, elem_states, meta, row_group_rows)
+
+
+def _delete_unlisted(store: CheckpointStore, manifest: Manifest) -> None:
+    """Deletes every file of the step folder that ``manifest`` (committed) does not list:
+    the chain files it replaced and debris of merges killed earlier; then emptied folders.
+    A listed path spelled unlike the folder is never guessed at: it is kept."""
+    base = store.step_path(manifest.step).rstrip("/") + "/"
+    keep = {f.path for f in manifest.files} | {MANIFEST_NAME}
+    try:
+        infos = store.fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    except FileNotFoundError:
+        return
+    found = [(i.path[len(base) :], i.type) for i in infos if i.path.startswith(base)]
+    for relative, kind in found:
+        if kind == pafs.FileType.File and relative not in keep:
+            try:
+                store.fs.delete_file(base + relative)
+            except (FileNotFoundError, OSError):
+                pass  # already gone: nothing references it any more
+    dirs = [relative for relative, kind in found if kind == pafs.FileType.Directory]
+    for relative in sorted(dirs, key=len, reverse=True):  # deepest first
+        if not any(path.startswith(relative + "/") for path in keep):
+            try:
+                store.fs.delete_dir(base + relative)
+            except (FileNotFoundError, OSError):
+                pass
