@@ -171,6 +171,30 @@ def test_merge_is_refused_while_a_live_job_holds_the_lock(merged_runs, tmp_path:
     assert not (directory / LOCK_NAME).exists()
 
 
+def test_merge_removes_debris_but_not_what_a_listed_file_links_to(
+    merged_runs, tmp_path: Path
+) -> None:
+    root, _ = merged_runs
+    directory = tmp_path / "chain"
+    shutil.copytree(root / "pristine" / "exponent", directory)
+    expected = _tables(directory, HEAD)
+    folder = directory / f"step_{HEAD:012d}"
+    # A listed dense file that is a link to an unlisted one in the same folder.
+    (folder / "dense" / "model.safetensors").rename(folder / "dense" / "real.safetensors")
+    (folder / "dense" / "model.safetensors").symlink_to("real.safetensors")
+    # Debris of a merge killed before its commit.
+    (folder / "merged" / "tables" / "t_x").mkdir(parents=True)
+    (folder / "merged" / "tables" / "t_x" / "r0_c0.s2.f0.parquet").write_bytes(b"half")
+    (folder / "MANIFEST.json.tmp-dead").write_bytes(b"{")
+    merged = merge(CheckpointStore(directory), HEAD)
+    on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    listed = {f.path for f in merged.files} | {MANIFEST_NAME}
+    assert on_disk == listed | {"dense/real.safetensors"}
+    assert not (folder / "merged" / "tables" / "t_x").exists()
+    assert verify(CheckpointStore(directory)).ok
+    assert _same(_tables(directory, HEAD), expected)
+
+
 class _KillingFs:
     """A filesystem that SIGKILLs this process at its nth ``delete_file``."""
 
@@ -238,7 +262,8 @@ def test_merge_killed_at_any_point_leaves_the_step_restorable(
     pristine = root / "pristine" / name
     expected = {step: _tables(pristine, step) for step in (HEAD, LATER)}
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["embckpt.read.merge"])  # children fork without re-importing
+    # Children fork from a server that imported these once: a kill lands inside the merge.
+    ctx.set_forkserver_preload(["embckpt.read.merge", __name__])
 
     def run(directory: Path, point: str, nth: int, delay: float | None = None) -> tuple:
         shutil.copytree(pristine, directory)

@@ -33,6 +33,7 @@ diffs whose parent is ``step`` stay correct: the merged step restores the same s
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -342,24 +343,42 @@ def _encode_winners(
 def _delete_unlisted(store: CheckpointStore, manifest: Manifest) -> None:
     """Deletes every file of the step folder that ``manifest`` (committed) does not list:
     the chain files it replaced and debris of merges killed earlier; then emptied folders.
-    A listed path spelled unlike the folder is never guessed at: it is kept."""
+
+    Never deletes what a listed file needs: a path spelled unlike the folder is not guessed
+    at, and on local disks nothing whose real path is, or holds, a listed file's real path
+    (a listed name may be a symbolic link to an unlisted one inside the folder).
+    """
     base = store.step_path(manifest.step).rstrip("/") + "/"
     keep = {f.path for f in manifest.files} | {MANIFEST_NAME}
     try:
         infos = store.fs.get_file_info(pafs.FileSelector(base, recursive=True))
     except FileNotFoundError:
         return
+    real_keep = {os.path.realpath(base + path) for path in keep} if store.is_local else set()
+
+    def needed(relative: str, folder: bool) -> bool:
+        if not store.is_local:
+            return False
+        real = os.path.realpath(base + relative)
+        return any(k.startswith(real + "/") for k in real_keep) if folder else real in real_keep
+
     found = [(i.path[len(base) :], i.type) for i in infos if i.path.startswith(base)]
+    left = set(keep)
     for relative, kind in found:
-        if kind == pafs.FileType.File and relative not in keep:
-            try:
-                store.fs.delete_file(base + relative)
-            except (FileNotFoundError, OSError):
-                pass  # already gone: nothing references it any more
+        if kind != pafs.FileType.File or relative in keep:
+            continue
+        if needed(relative, folder=False):
+            left.add(relative)
+            continue
+        try:
+            store.fs.delete_file(base + relative)
+        except (FileNotFoundError, OSError):
+            left.add(relative)  # kept (or already gone): its folder stays
     dirs = [relative for relative, kind in found if kind == pafs.FileType.Directory]
     for relative in sorted(dirs, key=len, reverse=True):  # deepest first
-        if not any(path.startswith(relative + "/") for path in keep):
-            try:
-                store.fs.delete_dir(base + relative)
-            except (FileNotFoundError, OSError):
-                pass
+        if any(path.startswith(relative + "/") for path in left) or needed(relative, folder=True):
+            continue
+        try:
+            store.fs.delete_dir(base + relative)
+        except (FileNotFoundError, OSError):
+            pass
