@@ -154,22 +154,31 @@ class CheckpointStore:
 
     # -- reads ----------------------------------------------------------------------------------
     def check_contained(self, step: int, relatives: Iterable[str], manifest_path: str) -> None:
-        """Refuses file names that leave the step folder: by their spelling (``..``, absolute,
-        a scheme) or, on local disks, through a symbolic link (the real path of each existing
-        file must lie under the real path of the step folder).
+        """Refuses, on local disks, file names that leave the step folder through a symbolic
+        link (their spelling is checked when the manifest is parsed): the real path of each
+        file must lie under the real path of the step folder. Folders are resolved once each;
+        a file itself costs one ``lstat`` unless it is a link.
 
         Raises:
             CheckpointCorruptError: names the manifest and the entry at fault.
         """
-        folder = os.path.realpath(self.step_path(step)) if self.is_local else ""
+        if not self.is_local:
+            return
+        folder = os.path.realpath(self.step_path(step))
+        real_folders: dict[str, str] = {}
         for relative in relatives:
-            problem = path_problem(relative)
-            if problem is None and self.is_local:
-                real = os.path.realpath(self.step_path(step, relative))
-                if os.path.commonpath([folder, real]) != folder:
-                    problem = f"a symbolic link leads outside the checkpoint folder (to {real})"
-            if problem is not None:
-                raise CheckpointCorruptError(manifest_path, f"file entry {relative!r}: {problem}")
+            parent, _, name = relative.rpartition("/")
+            if parent not in real_folders:
+                real_folders[parent] = os.path.realpath(self.step_path(step, parent))
+            real = os.path.join(real_folders[parent], name)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+            if os.path.commonpath([folder, real]) != folder:
+                raise CheckpointCorruptError(
+                    manifest_path,
+                    f"file entry {relative!r}: a symbolic link leads outside the checkpoint "
+                    f"folder (to {real})",
+                )
 
     def read_file(self, step: int, relative: str) -> pa.Buffer:
         """Reads a whole file of a step folder.
