@@ -478,7 +478,7 @@ class Checkpointer:
 
         Args:
             step: the checkpoint; the latest committed one if None.
-            threads: reader threads per rank (default: ``config.restore_threads``, else the
+            threads: reader threads per rank (default: ``EMBCKPT_RESTORE_THREADS``, else the
                 rank's share of the cores).
             progress: a progress bar on rank 0 (None: for large restores on a terminal).
         """
@@ -490,9 +490,9 @@ class Checkpointer:
             statefuls=self.statefuls,
             comm=self.comm,
             store=self.store,
-            threads=default_threads(self.config),
+            threads=threads or default_threads(),
         )
-        result = restore_checkpoint(target, step, threads=threads, progress=progress)
+        result = restore_checkpoint(target, step, progress=progress)
         self.writer.reference.clear()
         self._next_step = None
         if result is None:

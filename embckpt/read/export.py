@@ -23,7 +23,7 @@ import torch
 
 from embckpt import dense
 from embckpt.dtypes import dtype_from_name
-from embckpt.read.reader import apply_staged, default_threads, plan_reads, stage
+from embckpt.read.reader import read_into
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
@@ -88,11 +88,7 @@ def reconstruct(
         )
         for t in head.tables
     ]
-    threads = threads or default_threads()
-    staged, _ = stage(
-        store, len(chain), plan_reads(chain, shards), threads=threads, progress=progress
-    )
-    apply_staged(staged, threads)
+    read_into(store, chain, shards, threads=threads, progress=progress)
     dense_entry = next(f for f in head.files if f.role == "dense")
     state = dense.decode_tree(store.read_checked(step, dense_entry.written).to_pybytes())
     return Reconstructed(

@@ -47,7 +47,7 @@ from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
 from embckpt.dtypes import dtype_from_name
 from embckpt.errors import EmbckptError
-from embckpt.read.reader import apply_staged, default_threads, plan_reads, stage
+from embckpt.read.reader import read_into
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
@@ -300,11 +300,7 @@ def _reconstruct(
         table_cols=table.cols,
         weight=torch.zeros(rows, cols, dtype=dtype_from_name(table.dtype)),
     )
-    threads = default_threads()
-    staged, _ = stage(
-        store, len(chain), plan_reads(chain, [shard]), threads=threads, progress=False
-    )
-    apply_staged(staged, threads)
+    read_into(store, chain, [shard])
     return shard.weight
 
 

@@ -46,13 +46,10 @@ from embckpt.storage.shardfile import CheckedFile, checked_whole, fetch_checked
 THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
 
 
-def default_threads(config: Any = None) -> int:
-    """Reader threads per rank: ``config.restore_threads`` if the config has one, else the
-    ``EMBCKPT_RESTORE_THREADS`` environment variable, else this rank's share of the machine's
-    cores (``LOCAL_WORLD_SIZE`` ranks per machine), between 1 and 8."""
-    configured = getattr(config, "restore_threads", None)
-    if configured:
-        return int(configured)
+def default_threads() -> int:
+    """Reader threads per rank: the ``EMBCKPT_RESTORE_THREADS`` environment variable, else this
+    rank's share of the machine's cores (``LOCAL_WORLD_SIZE`` ranks per machine), between 1
+    and 8."""
     if os.environ.get(THREADS_ENV):
         return max(1, int(os.environ[THREADS_ENV]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -284,6 +281,24 @@ def _progress_bar(total: int, progress: bool) -> Any:
     except ImportError:  # tqdm is optional: no bar without it
         return None
     return tqdm(total=total, unit="B", unit_scale=True, desc="embckpt restore", leave=False)
+
+
+def read_into(
+    store: CheckpointStore,
+    chain: Sequence[Manifest],
+    shards: Sequence[TableShard],
+    *,
+    threads: int | None = None,
+    progress: bool = False,
+) -> None:
+    """Plans, stages and applies ``chain`` into ``shards`` in one process (export, merge): the
+    code path of a restore, without the agreement between ranks that separates staging from
+    applying there."""
+    threads = threads or default_threads()
+    staged, _ = stage(
+        store, len(chain), plan_reads(chain, shards), threads=threads, progress=progress
+    )
+    apply_staged(staged, threads)
 
 
 # -- apply ------------------------------------------------------------------------------------

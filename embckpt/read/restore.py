@@ -14,8 +14,8 @@ Stages (every rank, together):
 5. agree   - ranks exchange success; any failure raises on every rank before anything is
              loaded, so a failed restore never leaves a half-loaded model;
 6. apply   - decode and write the chain in order into this rank's blocks (delta codecs add),
-             then the dense state, RNG and stateful objects; rebuild the trackers'
-             since-full view from the rows the chain's diffs changed.
+             then the dense state, RNG and stateful objects. The result lists the rows the
+             chain's diffs changed; the caller (``Checkpointer``) rebuilds its tracker from it.
 
 Resharding (writer plan -> this plan):
 
@@ -80,12 +80,12 @@ class RestoreTarget:
     statefuls: Mapping[str, dense.Stateful]
     comm: Collective
     store: CheckpointStore
-    threads: int
+    threads: int  # reader threads of this rank
 
 
-def check_model_matches(ckpt: RestoreTarget, manifest: Manifest, path: str) -> None:
+def check_model_matches(into: RestoreTarget, manifest: Manifest, path: str) -> None:
     """Raises ModelMismatchError naming the first table that differs."""
-    model_tables = ckpt.sharded.table_shapes
+    model_tables = into.sharded.table_shapes
     saved = {t.name: t for t in manifest.tables}
     for name in sorted(set(model_tables) | set(saved)):
         if name not in saved:
@@ -98,7 +98,7 @@ def check_model_matches(ckpt: RestoreTarget, manifest: Manifest, path: str) -> N
                 f"table {name}: checkpoint {path} has shape {(entry.rows, entry.cols)}, "
                 f"the model {model_tables[name]}"
             )
-        model_dtype = dtype_name(ckpt.sharded.table_dtypes[name])
+        model_dtype = dtype_name(into.sharded.table_dtypes[name])
         if entry.dtype != model_dtype:
             raise ModelMismatchError(
                 f"table {name}: checkpoint {path} has dtype {entry.dtype}, the model {model_dtype}"
@@ -116,8 +116,8 @@ class _SideState:
     skipped: list[str] = field(default_factory=list)
 
 
-def _read_side_state(ckpt: RestoreTarget, head: Manifest, cost: ReadCost) -> _SideState:
-    store, comm = ckpt.store, ckpt.comm
+def _read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> _SideState:
+    store, comm = into.store, into.comm
     manifest_path = store.step_path(head.step, MANIFEST_NAME)
     dense_entry = next((f for f in head.files if f.role == "dense"), None)
     if dense_entry is None:
@@ -125,7 +125,7 @@ def _read_side_state(ckpt: RestoreTarget, head: Manifest, cost: ReadCost) -> _Si
     raw = store.read_checked(head.step, dense_entry.written)
     cost.other_bytes += raw.size
     side = _SideState(dense=dense.decode_tree(raw.to_pybytes()))
-    _check_dense(ckpt, side.dense, store.step_path(head.step, dense_entry.path))
+    _check_dense(into, side.dense, store.step_path(head.step, dense_entry.path))
     rank_files = sorted((f for f in head.files if f.role == "rank"), key=lambda f: f.rank)
     if head.world_size == comm.world_size:
         own = next((f for f in rank_files if f.rank == comm.rank), None)
@@ -143,7 +143,7 @@ def _read_side_state(ckpt: RestoreTarget, head: Manifest, cost: ReadCost) -> _Si
         raw = store.read_checked(head.step, entry.written)
         cost.other_bytes += raw.size
         states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
-    for name in ckpt.statefuls:
+    for name in into.statefuls:
         saved = [s.get(name) for s in states]
         if not saved or any(s is None for s in saved):
             side.skipped.append(f"stateful {name!r}: not in every rank's file of step {head.step}")
@@ -156,10 +156,10 @@ def _read_side_state(ckpt: RestoreTarget, head: Manifest, cost: ReadCost) -> _Si
     return side
 
 
-def _check_dense(ckpt: RestoreTarget, state: dict[str, Any], path: str) -> None:
+def _check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:
     """Refuses, before anything is loaded, dense state the live model or optimizer would
     reject half-way through loading it."""
-    live = ckpt.model.state_dict()
+    live = into.model.state_dict()
     for key, value in state["model"].items():
         if key not in live or tuple(live[key].shape) != tuple(value.shape):
             found = tuple(live[key].shape) if key in live else "missing"
@@ -168,9 +168,9 @@ def _check_dense(ckpt: RestoreTarget, state: dict[str, Any], path: str) -> None:
                 f"model {found}"
             )
     saved = state["optimizer"]
-    if ckpt.optimizer is None or saved is None:
+    if into.optimizer is None or saved is None:
         return
-    have = [len(g["params"]) for g in ckpt.optimizer.state_dict().get("param_groups", [])]
+    have = [len(g["params"]) for g in into.optimizer.state_dict().get("param_groups", [])]
     want = [len(g["params"]) for g in saved.get("param_groups", [])]
     if have != want:
         raise ModelMismatchError(
@@ -179,19 +179,19 @@ def _check_dense(ckpt: RestoreTarget, state: dict[str, Any], path: str) -> None:
         )
 
 
-def _apply_side_state(ckpt: RestoreTarget, side: _SideState) -> None:
+def _apply_side_state(into: RestoreTarget, side: _SideState) -> None:
     state = dict(side.dense)
     # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
     state["fused_scalars"] = {
-        k: v for k, v in state["fused_scalars"].items() if k in ckpt.sharded.scalar_states
+        k: v for k, v in state["fused_scalars"].items() if k in into.sharded.scalar_states
     }
-    dense.apply_dense_state(state, ckpt.model, ckpt.optimizer, ckpt.sharded.scalar_states)
+    dense.apply_dense_state(state, into.model, into.optimizer, into.sharded.scalar_states)
     if side.rank is not None:
-        dense.apply_rank_state(side.rank, ckpt.statefuls)
+        dense.apply_rank_state(side.rank, into.statefuls)
         return
     for name, saved in side.statefuls.items():
         try:
-            ckpt.statefuls[name].load_state_dict(saved)
+            into.statefuls[name].load_state_dict(saved)
         except (EmbckptError, ValueError, KeyError, TypeError) as exc:
             side.skipped.append(f"stateful {name!r}: refused writer rank 0's state: {exc}")
 
@@ -221,18 +221,13 @@ class RestoreResult:
 
 
 def restore_checkpoint(
-    ckpt: RestoreTarget,
-    step: int | None = None,
-    *,
-    threads: int | None = None,
-    progress: bool | None = None,
+    into: RestoreTarget, step: int | None = None, *, progress: bool | None = None
 ) -> RestoreResult | None:
-    """Restores checkpoint ``step`` (latest if None) into ``ckpt``'s model (collective).
+    """Restores checkpoint ``step`` (latest if None) into ``into``'s model (collective).
 
     Args:
-        ckpt: the model and state to load; any world size and sharding plan.
+        into: the model and state to load; any world size and sharding plan.
         step: the step to restore; None for the latest committed one.
-        threads: reader threads per rank (default: ``ckpt.threads``).
         progress: a progress bar on rank 0; None shows one when the restore reads more than
             ``PROGRESS_MIN_BYTES`` and stderr is a terminal.
 
@@ -248,8 +243,8 @@ def restore_checkpoint(
         RankError: another rank failed; its reason is quoted.
     """
     started = time.perf_counter()
-    comm, store = ckpt.comm, ckpt.store
-    threads = threads or ckpt.threads
+    comm, store = into.comm, into.store
+    threads = into.threads
     choice: tuple[int | None, str | None] = (None, None)
     if comm.rank == 0:
         committed = store.committed_steps()
@@ -276,14 +271,14 @@ def restore_checkpoint(
     side: _SideState | None = None
     try:
         chain = read_chain(store, target)
-        check_model_matches(ckpt, chain[-1], store.step_path(target))
-        reads = plan_reads(chain, ckpt.sharded.shards)
+        check_model_matches(into, chain[-1], store.step_path(target))
+        reads = plan_reads(chain, into.sharded.shards)
         total = sum(r.planned_bytes for r in reads)
         show = comm.rank == 0 and (
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
         )
         staged, cost = stage(store, len(chain), reads, threads=threads, progress=show)
-        side = _read_side_state(ckpt, chain[-1], cost)
+        side = _read_side_state(into, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
         error = exc
     try:
@@ -295,7 +290,7 @@ def restore_checkpoint(
 
     applied = apply_staged(staged, threads)
     assert side is not None  # read above, or every rank raised
-    _apply_side_state(ckpt, side)
+    _apply_side_state(into, side)
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)
     result = RestoreResult(
