@@ -42,7 +42,8 @@ from embckpt.errors import SaveError
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
 from embckpt.read.reader import default_threads
-from embckpt.read.restore import RestoreResult, RestoreTarget, restore_checkpoint
+from embckpt.read.restore import RestoreResult, restore_checkpoint
+from embckpt.read.target import RestoreTarget
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.save.staging import StagingArena

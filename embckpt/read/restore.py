@@ -13,8 +13,9 @@ Stages (every rank, together):
              reader's own plan is needed: files are addressed by global rows and columns;
 5. agree   - ranks exchange success; any failure raises on every rank before anything is
              loaded, so a failed restore never leaves a half-loaded model;
-6. apply   - decode and write the chain in order into this rank's blocks (delta codecs add),
-             then the dense state, RNG and stateful objects. The result lists the rows the
+6. apply   - the dense state, RNG and stateful objects (:mod:`embckpt.read.side_state`),
+             then decode and write the chain in order into this rank's blocks (delta codecs
+             add). The result lists the rows the
              chain's diffs changed; the caller (``Checkpointer``) rebuilds its tracker from it.
 
 Resharding (writer plan -> this plan):
@@ -36,19 +37,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from embckpt import dense
-from embckpt.collective import Collective
 from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
-    CheckpointCorruptError,
-    EmbckptError,
     ModelMismatchError,
 )
 from embckpt.read.reader import (
@@ -59,7 +54,8 @@ from embckpt.read.reader import (
     release,
     stage,
 )
-from embckpt.sharding import ShardedModel
+from embckpt.read.side_state import SideState, apply_side_state, read_side_state
+from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 from embckpt.storage.manifest import Manifest
@@ -67,20 +63,6 @@ from embckpt.storage.manifest import Manifest
 log = logging.getLogger(__name__)
 
 PROGRESS_MIN_BYTES = 256 << 20  # a progress bar only for restores reading more than this
-
-
-@dataclass(frozen=True)
-class RestoreTarget:
-    """What a restore loads into: the live model and its optimizers, this rank's blocks, the
-    stateful objects, the ranks to agree with, and the directory to read from."""
-
-    model: Any
-    optimizer: Any | None
-    sharded: ShardedModel
-    statefuls: Mapping[str, dense.Stateful]
-    comm: Collective
-    store: CheckpointStore
-    threads: int  # reader threads of this rank
 
 
 def check_model_matches(into: RestoreTarget, manifest: Manifest, path: str) -> None:
@@ -103,97 +85,6 @@ def check_model_matches(into: RestoreTarget, manifest: Manifest, path: str) -> N
             raise ModelMismatchError(
                 f"table {name}: checkpoint {path} has dtype {entry.dtype}, the model {model_dtype}"
             )
-
-
-# -- dense and per-rank state -------------------------------------------------------------------
-@dataclass
-class _SideState:
-    """The non-table part of a restore: what to load, and what will not be."""
-
-    dense: dict[str, Any]
-    rank: dict[str, Any] | None = None  # this rank's own file, same world size
-    statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
-    skipped: list[str] = field(default_factory=list)
-
-
-def _read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> _SideState:
-    store, comm = into.store, into.comm
-    manifest_path = store.step_path(head.step, MANIFEST_NAME)
-    dense_entry = next((f for f in head.files if f.role == "dense"), None)
-    if dense_entry is None:
-        raise CheckpointCorruptError(manifest_path, "lists no dense file")
-    raw = store.read_checked(head.step, dense_entry.written)
-    cost.other_bytes += raw.size
-    side = _SideState(dense=dense.decode_tree(raw.to_pybytes()))
-    _check_dense(into, side.dense, store.step_path(head.step, dense_entry.path))
-    rank_files = sorted((f for f in head.files if f.role == "rank"), key=lambda f: f.rank)
-    if head.world_size == comm.world_size:
-        own = next((f for f in rank_files if f.rank == comm.rank), None)
-        if own is None:
-            raise CheckpointCorruptError(manifest_path, f"lists no file of rank {comm.rank}")
-        raw = store.read_checked(head.step, own.written)
-        cost.other_bytes += raw.size
-        side.rank = dense.decode_tree(raw.to_pybytes())
-        return side
-    side.skipped.append(
-        f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
-    )
-    states = []
-    for entry in rank_files:
-        raw = store.read_checked(head.step, entry.written)
-        cost.other_bytes += raw.size
-        states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
-    for name in into.statefuls:
-        saved = [s.get(name) for s in states]
-        if not saved or any(s is None for s in saved):
-            side.skipped.append(f"stateful {name!r}: not in every rank's file of step {head.step}")
-        elif any(dense.encode_tree(s) != dense.encode_tree(saved[0]) for s in saved[1:]):
-            side.skipped.append(
-                f"stateful {name!r}: differs between the {head.world_size} writing ranks"
-            )
-        else:
-            side.statefuls[name] = saved[0]
-    return side
-
-
-def _check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:
-    """Refuses, before anything is loaded, dense state the live model or optimizer would
-    reject half-way through loading it."""
-    live = into.model.state_dict()
-    for key, value in state["model"].items():
-        if key not in live or tuple(live[key].shape) != tuple(value.shape):
-            found = tuple(live[key].shape) if key in live else "missing"
-            raise ModelMismatchError(
-                f"dense entry {key}: checkpoint {path} has shape {tuple(value.shape)}, the "
-                f"model {found}"
-            )
-    saved = state["optimizer"]
-    if into.optimizer is None or saved is None:
-        return
-    have = [len(g["params"]) for g in into.optimizer.state_dict().get("param_groups", [])]
-    want = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if have != want:
-        raise ModelMismatchError(
-            f"dense optimizer: checkpoint {path} has parameter groups of {want} parameters, "
-            f"the model's optimizer {have} (did a table change to or from data-parallel?)"
-        )
-
-
-def _apply_side_state(into: RestoreTarget, side: _SideState) -> None:
-    state = dict(side.dense)
-    # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
-    state["fused_scalars"] = {
-        k: v for k, v in state["fused_scalars"].items() if k in into.sharded.scalar_states
-    }
-    dense.apply_dense_state(state, into.model, into.optimizer, into.sharded.scalar_states)
-    if side.rank is not None:
-        dense.apply_rank_state(side.rank, into.statefuls)
-        return
-    for name, saved in side.statefuls.items():
-        try:
-            into.statefuls[name].load_state_dict(saved)
-        except (EmbckptError, ValueError, KeyError, TypeError) as exc:
-            side.skipped.append(f"stateful {name!r}: refused writer rank 0's state: {exc}")
 
 
 # -- the collective restore ---------------------------------------------------------------------
@@ -268,7 +159,7 @@ def restore_checkpoint(
     chain: list[Manifest] = []
     staged: list[list[StagedFile]] = []
     cost = ReadCost()
-    side: _SideState | None = None
+    side: SideState | None = None
     try:
         chain = read_chain(store, target)
         check_model_matches(into, chain[-1], store.step_path(target))
@@ -278,7 +169,7 @@ def restore_checkpoint(
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
         )
         staged, cost = stage(store, len(chain), reads, threads=threads, progress=show)
-        side = _read_side_state(into, chain[-1], cost)
+        side = read_side_state(into, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
         error = exc
     try:
@@ -288,9 +179,11 @@ def restore_checkpoint(
         raise
     stage_seconds = time.perf_counter() - started
 
-    applied = apply_staged(staged, threads)
     assert side is not None  # read above, or every rank raised
-    _apply_side_state(into, side)
+    # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
+    # on failure; the rows, verified and matched already, are applied last.
+    apply_side_state(into, side)
+    applied = apply_staged(staged, threads)
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)
     result = RestoreResult(

@@ -1,0 +1,26 @@
+"""What a restore loads into (shared by the restore and its side-state part)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from embckpt import dense
+from embckpt.collective import Collective
+from embckpt.sharding import ShardedModel
+from embckpt.storage.fs import CheckpointStore
+
+
+@dataclass(frozen=True)
+class RestoreTarget:
+    """What a restore loads into: the live model and its optimizers, this rank's blocks, the
+    stateful objects, the ranks to agree with, and the directory to read from."""
+
+    model: Any
+    optimizer: Any | None
+    sharded: ShardedModel
+    statefuls: Mapping[str, dense.Stateful]
+    comm: Collective
+    store: CheckpointStore
+    threads: int  # reader threads of this rank
