@@ -60,6 +60,8 @@ class CheckpointConfig:
         interval: checkpoint interval (iterations) ``maybe_save`` starts with.
         adaptive_interval: re-choose the interval from measured costs at every checkpoint.
         stall_bound: share of training time checkpointing may cost (adaptive interval).
+        lock_lease_s: seconds the directory lock lasts unrenewed (renewed every third of it);
+            a job gone this long without releasing it is taken over by the next one.
     """
 
     policy: str = "one_shot"
@@ -82,6 +84,7 @@ class CheckpointConfig:
     interval: int = 100
     adaptive_interval: bool = True
     stall_bound: float = 0.02
+    lock_lease_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.keep_last < 0:
