@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class EmbckptError(Exception):
     """Base of every error embckpt raises on purpose."""
@@ -43,3 +46,21 @@ class RankError(EmbckptError, RuntimeError):
 class CodecError(EmbckptError, ValueError):
     """Rows a codec cannot encode faithfully (NaN, infinity, out of range), or encoded columns
     that do not match what the codec's metadata describes."""
+
+
+class MissingExtraError(EmbckptError, ImportError):
+    """An optional part of embckpt needs a package that is not installed."""
+
+
+def import_extra(module: str, extra: str) -> ModuleType:
+    """Imports ``module``, which only the ``embckpt[extra]`` install brings.
+
+    Raises:
+        MissingExtraError: ``module`` is missing; the message says which extra installs it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingExtraError(
+            f"{module} is not installed: pip install 'embckpt[{extra}]'"
+        ) from exc

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with every dependency of embckpt. Idempotent: a complete .venv is left alone.
-# The pins are in scripts/requirements.txt (lines starting with '#@' are the staged ones).
+# torch, fbgemm and torchrec are pinned in scripts/requirements.txt (the '#@' lines, installed in
+# stages) with torchrec's own dependencies; embckpt's dependencies and extras come from
+# pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -26,7 +28,7 @@ fi
 # torchrec's metadata requires the CUDA fbgemm-gpu: install it alone, then its real needs.
 $PIP --no-deps "$(pin torchrec)"
 $PIP -r "$REQ"
-$PIP --no-deps -e .
+$PIP -e '.[plots,kmeans,test]'
 rm -f "$VENV"/.embckpt-setup-*
 touch "$STAMP"
 echo "setup: $VENV ready"

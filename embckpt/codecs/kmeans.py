@@ -49,7 +49,7 @@ from embckpt.codecs.common import (
 )
 from embckpt.codecs.packing import lookup_codes, pack_codes, packed_width
 from embckpt.codecs.uniform import QUANT_BITS, half_params_fit
-from embckpt.errors import CodecError, ConfigError
+from embckpt.errors import CodecError, ConfigError, import_extra
 
 _SAMPLE = 1 << 16
 _SAMPLE_ROWS = 1 << 14
@@ -152,7 +152,7 @@ class KMeansCodec(StagedCodec):
 
     def _fit(self, x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, k: int) -> torch.Tensor:
         """A codebook on [0, 1] fitted by scikit-learn to a sample of min/max-normalised values."""
-        from sklearn.cluster import KMeans
+        KMeans = import_extra("sklearn.cluster", "kmeans").KMeans
 
         safe = torch.where(span > 0, span, 1.0)
         unit = ((x - lo[:, None]) / safe[:, None]).reshape(-1)

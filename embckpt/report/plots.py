@@ -13,6 +13,7 @@ import io
 import math
 from typing import Any
 
+from embckpt.errors import import_extra
 from embckpt.report.build import format_bytes
 
 LOG_SPAN = 30.0
@@ -23,8 +24,7 @@ COLORS = {"full": "#1f5fa8", "diff": "#f28e2b", "fp32": "#555555", "every": "#b0
 
 def render_png(report: dict[str, Any], dpi: int = 110) -> bytes:
     """The report's figure as PNG bytes; a figure that says so when there is no checkpoint."""
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "plots")
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
