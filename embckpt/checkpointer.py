@@ -551,5 +551,5 @@ def _parent(head: Manifest, decision: Decision) -> int:
 
 def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
     return FileEntry(
-        path=written.path, bytes=written.bytes, sha256=written.sha256, role=role, rank=rank
+        path=written.path, bytes=written.bytes, checksum=written.checksum, role=role, rank=rank
     )

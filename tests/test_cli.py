@@ -32,7 +32,7 @@ def test_verify_reports_every_damaged_file(run_copy: Path, capsys: pytest.Captur
     truncated.write_bytes(truncated.read_bytes()[:-10])
     assert main(["verify", str(directory)]) == 1
     out = capsys.readouterr().out
-    assert f"BAD {flipped}: SHA-256 does not match" in out
+    assert f"BAD {flipped}: CRC32C does not match" in out
     assert f"BAD {truncated}: size is" in out
     assert "FAILED: 2 problems" in out
 

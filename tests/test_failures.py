@@ -128,7 +128,7 @@ def test_failures_are_caught_and_named() -> None:
         name = os.path.basename(out["damaged_file"])
         assert out["truncated"] and name in out["truncated"], (where, out["truncated"])
         assert out["untouched_after_refusal"] == [], where
-        assert out["altered"] and name in out["altered"] and "SHA-256" in out["altered"], where
+        assert out["altered"] and name in out["altered"] and "CRC32C" in out["altered"], where
         assert out["repaired"] == 15, where
         assert out["missing_link"] and "ChainIncompleteError" in out["missing_link"], where
         assert "step_000000000017" in out["missing_link"], where

@@ -414,7 +414,7 @@ def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
         metadata={"codec": codec.get_config()},
         row_group_rows=100,
     )
-    index = index_file(data, "")
+    index = index_file(data)
     assert len(index.row_groups) == 10 and index.row_groups[0].offset == 4
     lo, hi = 1000, 1600  # rows 333..533 by position: row groups 3, 4 and 5
     groups = [i for i, g in enumerate(index.row_groups) if g.first_row < hi and lo <= g.last_row]
@@ -446,7 +446,7 @@ def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
         damaged = bytearray(good)
         damaged[position] ^= 0xFF
         if caught:
-            with pytest.raises(CheckpointCorruptError, match="SHA-256"):
+            with pytest.raises(CheckpointCorruptError, match="CRC32C"):
                 read_indexed(fetch_from(bytes(damaged)), len(good), index, groups, "f", lo, hi)
         else:
             read_indexed(fetch_from(bytes(damaged)), len(good), index, groups, "f", lo, hi)
@@ -485,10 +485,10 @@ def _write_chain(root: Path, diff_codec: str) -> tuple[torch.Tensor, torch.Tenso
         )
         w = store.write_file(step, "tables/t/r0_c0.p0.parquet", data)
         d = store.write_file(step, "dense/model.safetensors", empty_dense)
-        rows_entry = FileEntry(w.path, w.bytes, w.sha256, "rows", 0, "t", 0, 0, 10, 4, len(rows))
+        rows_entry = FileEntry(w.path, w.bytes, w.checksum, "rows", 0, "t", 0, 0, 10, 4, len(rows))
         files = (
-            replace(rows_entry, fqn="embedding_bags.t.weight", index=index_file(data, w.sha256)),
-            FileEntry(d.path, d.bytes, d.sha256, "dense", 0),
+            replace(rows_entry, fqn="embedding_bags.t.weight", index=index_file(data)),
+            FileEntry(d.path, d.bytes, d.checksum, "dense", 0),
         )
         manifest = Manifest(
             step=step,
@@ -561,8 +561,8 @@ def test_manifests_without_the_new_fields_still_read() -> None:
 def test_an_index_serves_only_the_file_it_describes() -> None:
     from embckpt.storage.manifest import FileEntry, FileIndex
 
-    index = FileIndex(file_sha256="aa" * 32, footer_offset=4, footer_sha256="cc" * 32)
+    index = FileIndex(file_checksum="aa" * 32, footer_offset=4, footer_checksum="cc" * 32)
     entry = FileEntry("tables/t/r0_c0.p0.parquet", 10, "aa" * 32, "rows", 0, "t", index=index)
     assert entry.partial_index is index
     # e.g. a file rewritten by a merge whose entry kept the old index: read whole instead
-    assert replace(entry, sha256="bb" * 32).partial_index is None
+    assert replace(entry, checksum="bb" * 32).partial_index is None

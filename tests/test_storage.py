@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
@@ -13,9 +16,11 @@ from embckpt.codecs import codec_from_config, make_codec
 from embckpt.config import load_yaml
 from embckpt.errors import CheckpointCorruptError, ConfigError, UnknownCodecError
 from embckpt.examples.workload import DemoConfig
+from embckpt.storage import checksum
+from embckpt.storage import manifest as manifest_module
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
-from embckpt.storage.shardfile import decode_file, encode_file
+from embckpt.storage.shardfile import decode_file, encode_file, index_file
 
 
 def _manifest() -> Manifest:
@@ -56,11 +61,108 @@ def test_store_writes_atomically_and_checks_reads(tmp_path: Path) -> None:
     assert not list((tmp_path / "ckpts").rglob("*.tmp-*"))
     path = Path(store.step_path(3, "dense/x.bin"))
     path.write_bytes(b"hello_world")
-    with pytest.raises(CheckpointCorruptError, match=r"x\.bin: SHA-256"):
+    with pytest.raises(CheckpointCorruptError, match=r"x\.bin: CRC32C"):
         store.read_checked(3, written)
     path.unlink()
     with pytest.raises(CheckpointCorruptError, match=r"x\.bin: cannot read"):
         store.read_checked(3, written)
+
+
+def test_crc32c_combine_equals_one_pass() -> None:
+    rng = np.random.default_rng(0)
+    for len_a, len_b in ((0, 0), (5, 0), (0, 7), (1, 1), (4, 100_000), (3000, 12_345)):
+        a, b = rng.bytes(len_a), rng.bytes(len_b)
+        combined = checksum.combine(checksum.crc32c(a), checksum.crc32c(b), len(b))
+        assert combined == checksum.crc32c(a + b) == google_crc32c.value(a + b)
+
+
+def _rows_file() -> bytes:
+    codec = make_codec("raw")
+    return encode_file(
+        rows=np.arange(0, 900, 3),
+        encoded=codec.encode(torch.randn(300, 4)),
+        row_states={"m": np.arange(300, dtype=np.float32)},
+        elem_states={},
+        metadata={"codec": codec.get_config()},
+        row_group_rows=50,
+    )
+
+
+def test_index_gives_the_whole_files_crc_and_every_byte_counts(tmp_path: Path) -> None:
+    data = _rows_file()
+    index = index_file(data)
+    assert len(index.row_groups) == 6
+    # The file checksum combined from the pieces is the CRC32C an object store computes.
+    assert index.file_checksum == f"crc32c:{google_crc32c.value(data.to_pybytes()):08x}"
+    store = CheckpointStore(tmp_path)
+    written = store.write_file(1, "tables/t/f.parquet", data, index.file_checksum)
+    assert store.read_checked(1, written).to_pybytes() == data.to_pybytes()
+    path = Path(store.step_path(1, written.path))
+    good = path.read_bytes()
+    footer_length = len(good) - 8
+    # The leading magic, a row group, the footer, its length and the closing magic.
+    for position in (
+        0,
+        3,
+        4,
+        index.row_groups[3].offset + 7,
+        index.footer_offset,
+        footer_length,
+        len(good) - 1,
+    ):
+        damaged = bytearray(good)
+        damaged[position] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointCorruptError, match=r"f\.parquet: CRC32C does not match"):
+            store.read_checked(1, written)
+
+
+def test_sha256_entries_still_check_and_unknown_checksums_are_errors(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    written = store.write_file(1, "dense/x.bin", b"old", hashlib.sha256(b"old").hexdigest())
+    assert store.read_checked(1, written).to_pybytes() == b"old"
+    Path(store.step_path(1, "dense/x.bin")).write_bytes(b"olD")
+    with pytest.raises(CheckpointCorruptError, match=r"x\.bin: SHA-256 does not match"):
+        store.read_checked(1, written)
+    with pytest.raises(CheckpointCorruptError, match="unknown checksum 'md5:00'"):
+        store.read_checked(1, dataclasses.replace(written, checksum="md5:00"))
+
+
+def test_manifest_names_its_checksum_algorithm_and_reads_format_1_keys() -> None:
+    manifest = _manifest()
+    body = json.loads(manifest.to_json())
+    assert body["checksum_algorithm"] == "crc32c" and body["format_version"] == 2
+    assert "checksum" in body["files"][0] and "sha256" not in body["files"][0]
+    # A format-1 manifest: no algorithm field, SHA-256 under the old keys.
+    del body["checksum"], body["checksum_algorithm"]
+    body["format_version"] = 1
+    entry = body["files"][0]
+    entry["sha256"] = entry.pop("checksum")
+    entry["index"] = {
+        "file_sha256": entry["sha256"],
+        "footer_offset": 4,
+        "footer_sha256": "cd" * 32,
+        "row_groups": [
+            {
+                "first_row": 0,
+                "last_row": 3,
+                "rows": 2,
+                "offset": 4,
+                "length": 0,
+                "sha256": "ef" * 32,
+            }
+        ],
+    }
+    body["checksum"] = manifest_module._checksum(body)
+    old = Manifest.from_json(json.dumps(body), "m")
+    assert old.checksum_algorithm == "sha256" and old.files[0].checksum == "ab" * 32
+    index = old.files[0].partial_index
+    assert index is not None and index.footer_checksum == "cd" * 32
+    assert index.row_groups[0].checksum == "ef" * 32
+    body["checksum_algorithm"] = "md5"
+    body["checksum"] = manifest_module._checksum({k: v for k, v in body.items() if k != "checksum"})
+    with pytest.raises(CheckpointCorruptError, match="checksum algorithm 'md5'"):
+        Manifest.from_json(json.dumps(body), "m")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

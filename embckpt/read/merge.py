@@ -245,15 +245,16 @@ def _merge_block(
         table_name, row_off, col_off, _, _ = key
         name = f"r{row_off}_c{col_off}.s{source.step}.f{i}.parquet"  # unique per source file
         relative = f"{prefix}tables/{table_name}/{name}"
-        written = store.write_file(chain[-1].step, relative, data)
+        index = index_file(data)
+        written = store.write_file(chain[-1].step, relative, data, index.file_checksum)
         files.append(
             dataclasses.replace(
                 source.entry,
                 path=written.path,
                 bytes=written.bytes,
-                sha256=written.sha256,
+                checksum=written.checksum,
                 rows=len(picked),
-                index=index_file(data, written.sha256),
+                index=index,
             )
         )
     return files

@@ -97,11 +97,14 @@ class RowFileWriter:
             row_group_rows=self.row_group_rows,
         )
         block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}"
-        written = self.store.write_file(step, f"tables/{shard.table}/{block_name}.parquet", data)
+        index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
+        written = self.store.write_file(
+            step, f"tables/{shard.table}/{block_name}.parquet", data, index.file_checksum
+        )
         return FileEntry(
             path=written.path,
             bytes=written.bytes,
-            sha256=written.sha256,
+            checksum=written.checksum,
             role="rows",
             rank=self.rank,
             table=shard.table,
@@ -111,7 +114,7 @@ class RowFileWriter:
             shard_cols=shard.num_cols,
             rows=len(global_rows),
             fqn=shard.fqn,
-            index=index_file(data, written.sha256),
+            index=index,
         )
 
     def close(self) -> None:

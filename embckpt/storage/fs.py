@@ -8,7 +8,6 @@ of a file under its final name.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import uuid
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage import checksum as checksums
 from embckpt.storage.paths import path_problem
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -36,7 +36,7 @@ class WrittenFile:
 
     path: str  # relative to the step folder
     bytes: int
-    sha256: str
+    checksum: str  # see storage/checksum.py: CRC32C, or SHA-256 in format-1 manifests
 
 
 class CheckpointStore:
@@ -113,8 +113,15 @@ class CheckpointStore:
             self.fs.delete_dir(self.step_path(step))
 
     # -- writes ---------------------------------------------------------------------------------
-    def write_file(self, step: int, relative: str, data: pa.Buffer | bytes) -> WrittenFile:
+    def write_file(
+        self, step: int, relative: str, data: pa.Buffer | bytes, checksum: str | None = None
+    ) -> WrittenFile:
         """Writes one whole file of a step folder and returns its size and checksum.
+
+        Args:
+            checksum: the file's checksum if the caller already has it (a rows file's is
+                combined from its row groups' CRCs, see ``shardfile.index_file``), so each byte
+                is read once; computed here otherwise.
 
         Raises:
             ValueError: ``relative`` would leave the step folder (e.g. a table named ``a/../..``):
@@ -124,9 +131,10 @@ class CheckpointStore:
         problem = path_problem(relative)
         if problem is not None:
             raise ValueError(f"{self.step_path(step, relative)}: {problem}")
-        digest = hashlib.sha256(memoryview(data)).hexdigest()
+        if checksum is None:
+            checksum = checksums.checksum(data)
         self.write_atomic(self.step_path(step, relative), data)
-        return WrittenFile(path=relative, bytes=len(memoryview(data)), sha256=digest)
+        return WrittenFile(path=relative, bytes=len(memoryview(data)), checksum=checksum)
 
     def write_atomic(self, path: str, data: pa.Buffer | bytes) -> None:
         """Writes ``path`` so that it appears whole or not at all."""
@@ -198,7 +206,7 @@ class CheckpointStore:
             raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
 
     def read_checked(self, step: int, expected: WrittenFile) -> pa.Buffer:
-        """Reads a file and checks its size and SHA-256 against the manifest's record.
+        """Reads a file and checks its size and checksum against the manifest's record.
 
         Raises:
             CheckpointCorruptError: missing, truncated, extended or altered; names the file.
@@ -209,7 +217,11 @@ class CheckpointStore:
             raise CheckpointCorruptError(
                 path, f"size is {data.size} bytes, the manifest says {expected.bytes}"
             )
-        digest = hashlib.sha256(memoryview(data)).hexdigest()
-        if digest != expected.sha256:
-            raise CheckpointCorruptError(path, "SHA-256 does not match the manifest")
+        try:
+            good = checksums.matches(data, expected.checksum)
+        except ValueError as exc:
+            raise CheckpointCorruptError(path, f"manifest entry: {exc}") from exc
+        if not good:
+            algorithm = checksums.algorithm_of(expected.checksum)
+            raise CheckpointCorruptError(path, f"{algorithm} does not match the manifest")
         return data

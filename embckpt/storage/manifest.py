@@ -1,8 +1,11 @@
 """The manifest: the one file that makes a checkpoint exist, and describes all of it.
 
 Rank 0 writes it last, after every rank reported its files. It is versioned JSON that carries its
-own SHA-256 (over the canonical JSON of everything else), so an edited or truncated manifest is
-caught before anything it lists is trusted.
+own SHA-256 (over the canonical JSON of everything else; the manifest is small, so its
+checksum stays SHA-256), so an edited or truncated manifest is caught before anything it lists
+is trusted. File checksums are CRC32C (``checksum_algorithm``, see ``storage/checksum.py``);
+manifests written before it carry SHA-256 values under the keys ``sha256``, ``file_sha256`` and
+``footer_sha256``, which :meth:`Manifest.from_json` reads into the same fields.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
 from embckpt.storage.fs import WrittenFile
 from embckpt.storage.paths import path_problem
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: CRC32C file checksums and float payloads as Parquet float lists (docs/ARCHITECTURE.md)."""
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class RowGroupEntry:
     """One Parquet row group of a rows file: its global row ids and its bytes.
 
     The row group's column chunks are contiguous in the file, bytes
-    [offset, offset + length); ``sha256`` covers exactly those bytes, so a reader that fetches
+    [offset, offset + length); ``checksum`` covers exactly those bytes, so a reader that fetches
     only some row groups still checks every byte it decodes.
     """
 
@@ -34,7 +40,7 @@ class RowGroupEntry:
     rows: int
     offset: int
     length: int
-    sha256: str
+    checksum: str
 
 
 @dataclass(frozen=True)
@@ -43,22 +49,24 @@ class FileIndex:
 
     The footer (Parquet metadata, its length and the closing magic) is bytes
     [footer_offset, file size); the row groups cover bytes [4, footer_offset) in order.
-    ``file_sha256`` is the SHA-256 of the whole file the index describes: a reader uses the
+    ``file_checksum`` is the checksum of the whole file the index describes: a reader uses the
     index only for that file (an entry rewritten without a new index is read whole).
     """
 
-    file_sha256: str
+    file_checksum: str
     footer_offset: int
-    footer_sha256: str
+    footer_checksum: str
     row_groups: tuple[RowGroupEntry, ...] = ()
 
     @classmethod
     def from_dict(cls, body: Mapping[str, Any]) -> FileIndex:
         return cls(
-            file_sha256=body["file_sha256"],
+            file_checksum=_legacy(body, "file_checksum", "file_sha256"),
             footer_offset=body["footer_offset"],
-            footer_sha256=body["footer_sha256"],
-            row_groups=tuple(RowGroupEntry(**g) for g in body["row_groups"]),
+            footer_checksum=_legacy(body, "footer_checksum", "footer_sha256"),
+            row_groups=tuple(
+                RowGroupEntry(**_renamed(g, "sha256", "checksum")) for g in body["row_groups"]
+            ),
         )
 
 
@@ -74,12 +82,12 @@ class FileEntry:
     Optional fields, added within format version 1 (older manifests lack them): ``fqn``, the
     table weight's key in the writer's ``model.state_dict()``; ``index``, the per-row-group
     checksums that let a reader fetch and verify only the row groups it needs (without it, a
-    reader fetches and checks the whole file).
+    reader fetches and checks the whole file). ``checksum`` was ``sha256`` before CRC32C.
     """
 
     path: str
     bytes: int
-    sha256: str
+    checksum: str
     role: str
     rank: int
     table: str = ""
@@ -95,11 +103,11 @@ class FileEntry:
     def partial_index(self) -> FileIndex | None:
         """The index for partial reads of this very file, if it has one."""
         index = self.index
-        return index if index is not None and index.file_sha256 == self.sha256 else None
+        return index if index is not None and index.file_checksum == self.checksum else None
 
     @property
     def written(self) -> WrittenFile:
-        return WrittenFile(self.path, self.bytes, self.sha256)
+        return WrittenFile(self.path, self.bytes, self.checksum)
 
     def overlaps(self, row_lo: int, row_hi: int, col_lo: int, col_hi: int) -> bool:
         """True if this rows file can hold rows in [row_lo, row_hi) x [col_lo, col_hi)."""
@@ -142,6 +150,8 @@ class Manifest:
     ``parent_step`` is the checkpoint whose state a diff applies on top of (None for a full);
     following parents always ends at ``base_step``, the full checkpoint at the chain's root.
     ``history`` lists the checkpoints since that full one, this one included.
+    ``checksum_algorithm`` is the algorithm of the checksums its writer computed (every value
+    also names its own: a merge keeps the head's dense files, whatever they were written with).
     """
 
     step: int
@@ -156,6 +166,7 @@ class Manifest:
     history: tuple[HistoryEntry, ...] = ()
     stats: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = ALGORITHM
 
     @property
     def total_bytes(self) -> int:
@@ -188,9 +199,16 @@ class Manifest:
         if checksum != _checksum(body):
             raise CheckpointCorruptError(path, "manifest checksum does not match its contents")
         version = body.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointCorruptError(
-                path, f"manifest format version {version} is not supported (this reader: 1)"
+                path,
+                f"manifest format version {version} is not supported (this reader: "
+                f"{', '.join(map(str, READABLE_VERSIONS))})",
+            )
+        algorithm = body.setdefault("checksum_algorithm", LEGACY_ALGORITHM)
+        if algorithm not in (ALGORITHM, LEGACY_ALGORITHM):
+            raise CheckpointCorruptError(
+                path, f"checksum algorithm {algorithm!r} is not supported (crc32c, sha256)"
             )
         try:
             manifest = cls(
@@ -222,7 +240,26 @@ class Manifest:
 
 def _file_entry(body: Mapping[str, Any]) -> FileEntry:
     index = body.get("index")
-    return FileEntry(**{**body, "index": None if index is None else FileIndex.from_dict(index)})
+    return FileEntry(
+        **{
+            **_renamed(body, "sha256", "checksum"),
+            "index": None if index is None else FileIndex.from_dict(index),
+        }
+    )
+
+
+def _legacy(body: Mapping[str, Any], key: str, old_key: str) -> Any:
+    """``body[key]``, or ``body[old_key]`` in manifests written before CRC32C."""
+    return body[key] if key in body else body[old_key]
+
+
+def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> dict[str, Any]:
+    """``body`` with ``old_key`` (a format-1 SHA-256 field) spelled ``key``."""
+    if old_key not in body:
+        return dict(body)
+    renamed = {k: v for k, v in body.items() if k != old_key}
+    renamed[key] = body[old_key]
+    return renamed
 
 
 def _checksum(body: Mapping[str, Any]) -> str:

@@ -7,8 +7,9 @@ parameters), and ``state.<name>`` for each optimizer state. The file's key-value
 never repeat), delta-coded row ids, plain payload, no generic compression unless the codec asks
 for it; pyarrow's defaults measured about 5x slower to write on such files.
 
-Partial reads: :func:`index_file` records, at write time, the byte range and SHA-256 of every
-row group and of the footer (the manifest keeps them, see ``FileIndex``). :func:`fetch_checked`
+Partial reads: :func:`index_file` records, at write time, the byte range and CRC32C of every
+row group and of the footer (the manifest keeps them, see ``FileIndex``), and combines them into
+the whole file's CRC32C, so the writer reads each byte once. :func:`fetch_checked`
 then fetches only the footer and the row groups a reader needs, checks each against its
 checksum before parsing, and lets Parquet read nothing else: a read outside the verified
 ranges is an error, never silently unchecked bytes.
@@ -16,7 +17,6 @@ ranges is an error, never silently unchecked bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from embckpt.codecs.base import EncodedRows
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage import checksum as checksums
 from embckpt.storage.manifest import FileIndex, RowGroupEntry
 
 ROW_COLUMN = "row"
@@ -118,22 +119,23 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBloc
     return _row_block(table, meta)
 
 
-def index_file(data: pa.Buffer, file_sha256: str) -> FileIndex:
-    """The byte ranges and SHA-256 of a file's row groups and footer (see module doc).
-
-    Args:
-        data: the whole file.
-        file_sha256: its SHA-256, as the manifest records it (not computed again here).
+def index_file(data: pa.Buffer) -> FileIndex:
+    """The byte ranges and CRC32C of a file's row groups and footer, and the whole file's
+    CRC32C combined from them and the leading magic (see module doc): pass it to
+    ``CheckpointStore.write_file`` as the file's checksum.
     """
     view = memoryview(data)
     metadata = pq.read_metadata(pa.BufferReader(data))
     footer_offset = len(view) - 8 - int.from_bytes(view[-8:-4], "little")
     groups = []
     start = len(_MAGIC)
+    file_crc = checksums.crc32c(data.slice(0, start))
     for i in range(metadata.num_row_groups):
         group = metadata.row_group(i)
         end = max(_chunk_end(group.column(j)) for j in range(group.num_columns))
         stats = group.column(_column_index(metadata, ROW_COLUMN)).statistics
+        crc = checksums.crc32c(data.slice(start, end - start))
+        file_crc = checksums.combine(file_crc, crc, end - start)
         groups.append(
             RowGroupEntry(
                 first_row=int(stats.min),
@@ -141,16 +143,19 @@ def index_file(data: pa.Buffer, file_sha256: str) -> FileIndex:
                 rows=group.num_rows,
                 offset=start,
                 length=end - start,
-                sha256=hashlib.sha256(view[start:end]).hexdigest(),
+                checksum=checksums.tag(crc),
             )
         )
         start = end
     if start != footer_offset:
         raise ValueError(f"row groups end at byte {start}, the footer starts at {footer_offset}")
+    footer_crc = checksums.crc32c(data.slice(footer_offset))
     return FileIndex(
-        file_sha256=file_sha256,
+        file_checksum=checksums.tag(
+            checksums.combine(file_crc, footer_crc, len(view) - footer_offset)
+        ),
         footer_offset=footer_offset,
-        footer_sha256=hashlib.sha256(view[footer_offset:]).hexdigest(),
+        footer_checksum=checksums.tag(footer_crc),
         row_groups=tuple(groups),
     )
 
@@ -265,11 +270,16 @@ def fetch_checked(
         source: closed by :meth:`CheckedFile.close` (the open file the fetched bytes live in).
 
     Raises:
-        CheckpointCorruptError: a range is short, does not match its SHA-256, or the footer
+        CheckpointCorruptError: a range is short, does not match its checksum, or the footer
             does not parse; the message names the file and the range.
     """
     footer = _checked(
-        fetch, path, index.footer_offset, size - index.footer_offset, index.footer_sha256, "footer"
+        fetch,
+        path,
+        index.footer_offset,
+        size - index.footer_offset,
+        index.footer_checksum,
+        "footer",
     )
     segments: list[tuple[int, pa.Buffer]] = []
     bytes_read = footer.size
@@ -280,12 +290,9 @@ def fetch_checked(
         for g in run:
             entry = index.row_groups[g]
             piece = data.slice(entry.offset - first.offset, entry.length)
-            if hashlib.sha256(memoryview(piece)).hexdigest() != entry.sha256:
-                raise CheckpointCorruptError(
-                    path,
-                    f"row group {g} (bytes {entry.offset}+{entry.length}): SHA-256 does "
-                    "not match the manifest",
-                )
+            _check(
+                piece, entry.checksum, path, f"row group {g} (bytes {entry.offset}+{entry.length})"
+            )
         segments.append((first.offset, data))
     try:
         metadata = pq.read_metadata(pa.BufferReader(pa.py_buffer(_MAGIC + footer.to_pybytes())))
@@ -301,7 +308,7 @@ def fetch_checked(
 
 
 def checked_whole(data: pa.Buffer, path: str) -> CheckedFile:
-    """A whole file whose bytes were already checked (by its file-level SHA-256)."""
+    """A whole file whose bytes were already checked (by its file-level checksum)."""
     try:
         metadata = pq.read_metadata(pa.BufferReader(data))
     except (pa.ArrowException, OSError, ValueError) as exc:
@@ -369,16 +376,23 @@ def _fetch(fetch: Fetch, path: str, offset: int, length: int) -> pa.Buffer:
 
 
 def _checked(
-    fetch: Fetch, path: str, offset: int, length: int, sha256: str, what: str
+    fetch: Fetch, path: str, offset: int, length: int, checksum: str, what: str
 ) -> pa.Buffer:
     if length <= 0:
         raise CheckpointCorruptError(path, f"{what}: empty range at byte {offset}")
     data = _fetch(fetch, path, offset, length)
-    if hashlib.sha256(memoryview(data)).hexdigest() != sha256:
-        raise CheckpointCorruptError(
-            path, f"{what} (bytes {offset}+{length}): SHA-256 does not match the manifest"
-        )
+    _check(data, checksum, path, f"{what} (bytes {offset}+{length})")
     return data
+
+
+def _check(data: pa.Buffer, checksum: str, path: str, what: str) -> None:
+    try:
+        good = checksums.matches(data, checksum)
+    except ValueError as exc:
+        raise CheckpointCorruptError(path, f"{what}: manifest entry: {exc}") from exc
+    if not good:
+        algorithm = checksums.algorithm_of(checksum)
+        raise CheckpointCorruptError(path, f"{what}: {algorithm} does not match the manifest")
 
 
 class _VerifiedRanges:

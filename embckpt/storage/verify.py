@@ -1,9 +1,9 @@
 """Offline checks of a checkpoint directory: every problem, not only the first.
 
 A committed checkpoint is sound when its manifest parses and matches its own checksum, every
-file it lists has the recorded size and SHA-256, and every checkpoint on its chain back to the
-full base is itself committed. Step folders without a manifest are leftovers of interrupted
-saves: reported, never counted as failures.
+file it lists has the recorded size and checksum (CRC32C; SHA-256 in older manifests), and
+every checkpoint on its chain back to the full base is itself committed. Step folders without
+a manifest are leftovers of interrupted saves: reported, never counted as failures.
 """
 
 from __future__ import annotations
