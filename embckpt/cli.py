@@ -1,6 +1,34 @@
-"""``embckpt`` command line: demo | inspect | verify | report | merge | restore | export.
+"""``embckpt`` command line: demo | inspect | verify | report | merge | restore | export | unlock.
 
-Exit codes: 0 success, 1 a check failed (``verify``) or the demo failed, 2 bad usage or input.
+Exit codes: 0 success; 1 a check failed (``verify``, ``restore``) or the demo failed; 2 bad
+usage or input (a missing or empty checkpoint directory, a file given for a directory, an output
+folder that does not exist, a malformed value), reported in one line on stderr, never as a
+traceback. ``--help``, ``inspect``, ``verify`` and ``unlock`` never import torch: they start in
+a fraction of a second on a machine without a GPU.
+
+``inspect --json`` prints one object (``?`` marks a value that may be null)::
+
+    schema_version: int               1; fields are only ever added
+    directory: str
+    checkpoints: list, oldest first, of
+        step: int, kind: "full" | "diff", policy: str, parent_step: int?, base_step: int,
+        world_size: int, files: int, bytes: int, codec: str (the row codec's id)
+    tables: list (as of the latest checkpoint) of
+        name: str, rows: int, cols: int, dtype: str, sharding_type: str, states: list[str],
+        shards: list of {rank, row_offset, col_offset, rows, cols: int}
+    unreadable_manifests: list of {path: str, reason: str}
+    leftovers: list of {step: int, path: str}   step folders without a manifest
+
+``verify --json`` prints one object::
+
+    schema_version: int               1; fields are only ever added
+    directory: str
+    step: int?                        the --step asked for; null: every checkpoint
+    ok: bool                          no problem found (the exit code is 0 when true)
+    checked: list[int]                steps checked
+    files_checked: int
+    problems: list of {path: str, reason: str}
+    leftovers: list of {step: int, path: str}
 """
 
 from __future__ import annotations
@@ -8,7 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from embckpt.errors import EmbckptError
 from embckpt.report.build import build_report, format_table
@@ -17,12 +47,163 @@ from embckpt.storage.chain import load_manifests
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.verify import verify
 
+SCHEMA_VERSION = 1
+# Listed in --help only: the registries (embckpt.policy.POLICIES and the codec registry) are
+# what accepts a name, and tests/test_cli.py checks these lists against them.
+POLICY_NAMES = ("full", "one_shot", "incremental", "intermittent")
+CODEC_NAMES = ("raw", "fp16", "bf16", "symmetric", "asymmetric", "adaptive", "kmeans", "exponent")
 
+
+class UsageError(EmbckptError, ValueError):
+    """A command line the user can fix: exit code 2, one line on stderr."""
+
+
+# -- argument types: argparse turns their ArgumentTypeError into a usage message, exit 2 --------
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= {least}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _step(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _steps(text: str) -> list[int]:
+    """``10,25`` -> [10, 25]: the steps to kill the demo's workers at."""
+    return [_integer(part.strip(), 1) for part in text.split(",")]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1]")
+    return value
+
+
+class _Version(argparse.Action):
+    """``--version``; reads the installed metadata only when asked (it costs a startup)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("embckpt")
+        except PackageNotFoundError:
+            text = "unknown (not installed)"
+        print(f"embckpt {text}")
+        parser.exit()
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def _directory(args: argparse.Namespace) -> str:
+    """The checkpoint directory, given as the positional DIR or as --dir (not both)."""
+    given = [d for d in (args.directory, args.dir) if d is not None]
+    if not given:
+        raise UsageError("a checkpoint directory is needed (DIR or --dir DIR)")
+    if len(given) == 2 and given[0] != given[1]:
+        raise UsageError(f"two directories given: {given[0]} and --dir {given[1]}")
+    directory = given[0]
+    if "://" not in directory and Path(directory).exists() and not Path(directory).is_dir():
+        raise UsageError(f"{directory} is not a directory (give the checkpoint directory)")
+    return directory
+
+
+def _output(path: str, what: str) -> str:
+    """An output file or folder whose parent folder must already exist."""
+    if "://" not in path and not Path(path).absolute().parent.is_dir():
+        raise UsageError(f"{what} {path}: folder {Path(path).absolute().parent} does not exist")
+    return path
+
+
+def _empty(args: argparse.Namespace, store: CheckpointStore, directory: str) -> int | None:
+    """The exit code when ``store`` holds no committed checkpoint (0 with ``--allow-empty``,
+    else 2); None when it holds some."""
+    if store.committed_steps():
+        return None
+    if getattr(args, "allow_empty", False):
+        return 0
+    missing = "does not exist" if "://" not in directory and not Path(directory).exists() else ""
+    print(
+        f"embckpt {args.command}: no checkpoints found in {directory}"
+        + (f" ({missing})" if missing else ""),
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _leftovers(store: CheckpointStore, steps: list[int]) -> list[dict[str, Any]]:
+    return [{"step": step, "path": store.step_path(step)} for step in steps]
+
+
+# -- commands -----------------------------------------------------------------------------------
 def _inspect(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.directory)
+    directory = _directory(args)
+    store = CheckpointStore(directory)
     manifests, problems = load_manifests(store)
-    if not manifests:
-        print(f"{args.directory}: no committed checkpoint")
+    leftovers = store.leftover_steps()
+    latest = manifests[max(manifests)] if manifests else None
+    if args.json:
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "directory": directory,
+            "checkpoints": [
+                {
+                    "step": step,
+                    "kind": m.kind,
+                    "policy": m.policy,
+                    "parent_step": m.parent_step,
+                    "base_step": m.base_step,
+                    "world_size": m.world_size,
+                    "files": len(m.files),
+                    "bytes": m.total_bytes,
+                    "codec": m.codec["id"],
+                }
+                for step, m in sorted(manifests.items())
+            ],
+            "tables": [
+                {
+                    "name": t.name,
+                    "rows": t.rows,
+                    "cols": t.cols,
+                    "dtype": t.dtype,
+                    "sharding_type": t.sharding_type,
+                    "states": [*t.row_states, *t.elem_states],
+                    "shards": [
+                        dict(
+                            zip(
+                                ("rank", "row_offset", "col_offset", "rows", "cols"), s, strict=True
+                            )
+                        )
+                        for s in t.shards
+                    ],
+                }
+                for t in (latest.tables if latest else ())
+            ],
+            "unreadable_manifests": [{"path": p, "reason": r} for p, r in problems],
+            "leftovers": _leftovers(store, leftovers),
+        }
+        print(json.dumps(doc, indent=1))
+        empty = _empty(args, store, directory)
+        return 0 if empty is None else empty
     for step, manifest in sorted(manifests.items()):
         parent = "-" if manifest.parent_step is None else manifest.parent_step
         print(
@@ -31,8 +212,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"{manifest.total_bytes:,} bytes, {manifest.world_size} ranks, "
             f"codec {manifest.codec['id']}"
         )
-    if manifests:
-        latest = manifests[max(manifests)]
+    if latest is not None:
         print("tables (as of the latest checkpoint):")
         for table in latest.tables:
             shards = ", ".join(
@@ -45,18 +225,40 @@ def _inspect(args: argparse.Namespace) -> int:
             )
     for path, reason in problems:
         print(f"unreadable manifest {path}: {reason}")
-    for step in store.leftover_steps():
+    for step in leftovers:
         print(f"leftover {store.step_path(step)} (no manifest: not a checkpoint)")
-    return 0
+    empty = _empty(args, store, directory)
+    if empty == 0 and latest is None:
+        print(f"{directory}: no committed checkpoint")
+    return 0 if empty is None else empty
 
 
 def _verify(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.directory)
+    directory = _directory(args)
+    store = CheckpointStore(directory)
     report = verify(store, args.step)
-    for step in report.leftovers:
-        print(f"leftover {store.step_path(step)}: no manifest, ignored")
-    for path, reason in report.problems:
-        print(f"BAD {path}: {reason}")
+    if args.json:
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "directory": directory,
+            "step": args.step,
+            "ok": report.ok,
+            "checked": report.checked,
+            "files_checked": report.files_checked,
+            "problems": [{"path": p, "reason": r} for p, r in report.problems],
+            "leftovers": _leftovers(store, report.leftovers),
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        for step in report.leftovers:
+            print(f"leftover {store.step_path(step)}: no manifest, ignored")
+        for path, reason in report.problems:
+            print(f"BAD {path}: {reason}")
+    empty = _empty(args, store, directory)
+    if empty is not None:
+        return empty
+    if args.json:
+        return 0 if report.ok else 1
     steps = ", ".join(map(str, report.checked)) or "none"
     if report.ok:
         checked = f"{len(report.checked)} checkpoints ({steps}), {report.files_checked} files"
@@ -67,10 +269,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    directory = _directory(args)
     if args.project and args.model_bytes is None:
-        print("embckpt report: --project needs --model-bytes (e.g. 2TB)", file=sys.stderr)
-        return 2
-    store = CheckpointStore(args.directory)
+        raise UsageError("--project needs --model-bytes (e.g. 2TB)")
+    for path, what in ((args.plot, "--plot"), (args.html, "--html")):
+        if path is not None:
+            _output(path, what)
+    store = CheckpointStore(directory)
     report = build_report(store, progress=None if args.progress else False)
     if args.project or args.model_bytes is not None:
         report["projection"] = project(
@@ -104,7 +309,11 @@ def _report(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from embckpt.read.merge import merge
 
-    store = CheckpointStore(args.directory)
+    directory = _directory(args)
+    store = CheckpointStore(directory)
+    empty = _empty(args, store, directory)
+    if empty is not None:
+        return empty
     manifest = merge(store, args.step)
     sources = manifest.stats.get("merged_from", [args.step])
     print(
@@ -117,7 +326,11 @@ def _merge(args: argparse.Namespace) -> int:
 def _restore(args: argparse.Namespace) -> int:
     from embckpt.read.restore import describe_restore
 
-    text, ok = describe_restore(args.directory, args.step)
+    directory = _directory(args)
+    empty = _empty(args, CheckpointStore(directory), directory)
+    if empty is not None:
+        return empty
+    text, ok = describe_restore(directory, args.step)
     print(text)
     return 0 if ok else 1
 
@@ -125,28 +338,42 @@ def _restore(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from embckpt.read.export import export_dcp, export_safetensors
 
+    directory = _directory(args)
+    out = _output(args.out, "output")
+    empty = _empty(args, CheckpointStore(directory), directory)
+    if empty is not None:
+        return empty
     if args.to == "dcp":
-        model = export_dcp(args.directory, args.out, args.step)
+        model = export_dcp(directory, out, args.step)
     else:
-        model = export_safetensors(
-            args.directory, args.out, args.step, tables_only=args.tables_only
-        )
+        model = export_safetensors(directory, out, args.step, tables_only=args.tables_only)
     print(
         f"exported step {model.step} (chain {', '.join(map(str, model.chain))}): "
-        f"{len(model.tables)} tables, {len(model.dense)} dense tensors -> {args.out} ({args.to})"
+        f"{len(model.tables)} tables, {len(model.dense)} dense tensors -> {out} ({args.to})"
     )
+    return 0
+
+
+def _unlock(args: argparse.Namespace) -> int:
+    from embckpt.storage.lock import unlock
+
+    directory = _directory(args)
+    holder = unlock(directory)
+    print(f"{directory}: " + (f"removed the lock of {holder}" if holder else "no lock"))
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from embckpt.examples.demo import run_demo
 
+    if args.config is not None and not Path(args.config).is_file():
+        raise UsageError(f"--config {args.config}: no such file")
     return run_demo(
         config_path=args.config,
         out=args.out,
         steps=args.steps,
         world_size=args.world_size,
-        kill_at=[int(s) for s in args.kill_at.split(",")] if args.kill_at else None,
+        kill_at=args.kill_at,
         failures=args.failures,
         overrides={
             k: v
@@ -156,39 +383,88 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+# -- parser -------------------------------------------------------------------------------------
+def _command(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], text: str
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _directory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "directory", nargs="?", metavar="DIR", help="checkpoint directory (local path or URI)"
+    )
+    parser.add_argument("--dir", metavar="DIR", help="the checkpoint directory, as an option")
+
+
+def _allow_empty(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="exit 0 when DIR holds no checkpoint (default: exit 2, 'no checkpoints found')",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="embckpt", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="embckpt",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 success, 1 a check failed, 2 bad usage or input",
+    )
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="train the reference DLRM, kill it, restore, finish")
-    demo.add_argument("--config", default=None, help="DemoConfig YAML (default: built-in)")
-    demo.add_argument("--out", default="demo_out", help="checkpoint directory")
-    demo.add_argument("--steps", type=int, default=None, help="training steps")
-    demo.add_argument("--world-size", type=int, default=None, help="ranks (default 2)")
-    demo.add_argument("--kill-at", default=None, help="comma-separated steps to kill workers at")
-    demo.add_argument("--failures", type=int, default=None, help="kill at N random steps")
-    demo.add_argument("--policy", default=None, help="override the config's checkpoint policy")
-    demo.add_argument("--codec", default=None, help="override the config's row codec")
-    demo.add_argument("--bits", type=int, default=None, help="override the codec's bit width")
-    demo.set_defaults(func=_demo)
+    demo = _command(sub, "demo", _demo, "train the reference DLRM, kill it, restore, finish")
+    demo.add_argument("--config", default=None, help="DemoConfig YAML file (default: built-in)")
+    demo.add_argument("--out", default="demo_out", help="checkpoint directory (demo_out)")
+    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps")
+    demo.add_argument(
+        "--world-size", type=_positive_int, default=None, help="ranks (default: the config's, 2)"
+    )
+    demo.add_argument(
+        "--kill-at", type=_steps, default=None, metavar="S1,S2", help="steps to kill workers at"
+    )
+    demo.add_argument(
+        "--failures", type=_positive_int, default=None, help="kill at N random steps instead"
+    )
+    demo.add_argument(
+        "--policy", default=None, help=f"override the config's policy: {', '.join(POLICY_NAMES)}"
+    )
+    demo.add_argument(
+        "--codec", default=None, help=f"override the config's row codec: {', '.join(CODEC_NAMES)}"
+    )
+    demo.add_argument(
+        "--bits", type=int, choices=(2, 3, 4, 8), default=None, help="override the code width"
+    )
 
-    merge = sub.add_parser("merge", help="fold a checkpoint's chain into one full checkpoint")
-    merge.add_argument("directory")
-    merge.add_argument("--step", type=int, required=True)
-    merge.set_defaults(func=_merge)
+    merge = _command(sub, "merge", _merge, "fold a checkpoint's chain into one full checkpoint")
+    _directory_arguments(merge)
+    merge.add_argument("--step", type=_step, required=True, help="the checkpoint to fold")
 
-    inspect = sub.add_parser("inspect", help="list checkpoints, tables and shards")
-    inspect.add_argument("directory")
-    inspect.set_defaults(func=_inspect)
+    inspect = _command(sub, "inspect", _inspect, "list checkpoints, tables, shards and leftovers")
+    _directory_arguments(inspect)
+    inspect.add_argument(
+        "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
+    )
+    _allow_empty(inspect)
 
-    check = sub.add_parser("verify", help="check sizes, checksums and chains")
-    check.add_argument("directory")
-    check.add_argument("--step", type=int, default=None)
-    check.set_defaults(func=_verify)
+    check = _command(sub, "verify", _verify, "check sizes, checksums and chains; exit 1 if bad")
+    _directory_arguments(check)
+    check.add_argument(
+        "--step", type=_step, default=None, help="only this checkpoint and its chain"
+    )
+    check.add_argument(
+        "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
+    )
+    _allow_empty(check)
 
-    report = sub.add_parser("report", help="what each checkpoint cost and saved")
-    report.add_argument("directory")
-    report.add_argument("--json", action="store_true", help="machine-readable output")
+    report = _command(sub, "report", _report, "what each checkpoint cost and saved")
+    _directory_arguments(report)
+    report.add_argument(
+        "--json", action="store_true", help="JSON (schema: embckpt/report/build.py)"
+    )
     report.add_argument("--plot", metavar="OUT.png", help="write the figures as a PNG")
     report.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page")
     report.add_argument(
@@ -200,35 +476,41 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--interval", type=parse_duration, default=1800.0, help="checkpoint interval (30m)"
     )
-    report.add_argument("--days", type=float, default=30.0, help="training days (30)")
+    report.add_argument("--days", type=_positive_float, default=30.0, help="training days (30)")
     report.add_argument(
-        "--touch-rate", type=float, default=None, help="share of rows a diff writes (measured)"
+        "--touch-rate",
+        type=_fraction,
+        default=None,
+        help="share of rows a diff writes, in (0, 1] (default: measured)",
     )
     report.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress line"
     )
-    report.set_defaults(func=_report)
 
-    restore = sub.add_parser(
-        "restore", help="show a checkpoint's chain, verify it, and print how to resume a job"
+    restore = _command(
+        sub, "restore", _restore, "show a checkpoint's chain, verify it, print how to resume"
     )
-    restore.add_argument("directory")
-    restore.add_argument("--step", type=int, default=None, help="default: the latest")
-    restore.set_defaults(func=_restore)
+    _directory_arguments(restore)
+    restore.add_argument("--step", type=_step, default=None, help="default: the latest")
 
-    export = sub.add_parser(
-        "export", help="write a checkpoint as a DCP directory or a safetensors file"
+    export = _command(
+        sub, "export", _export, "write a checkpoint as a DCP directory or a safetensors file"
     )
-    export.add_argument("directory")
-    export.add_argument("--step", type=int, default=None, help="default: the latest")
-    export.add_argument("--to", choices=("dcp", "safetensors"), required=True)
+    export.add_argument("directory", metavar="DIR", help="checkpoint directory")
+    export.add_argument("--step", type=_step, default=None, help="default: the latest")
+    export.add_argument("--to", choices=("dcp", "safetensors"), required=True, help="output format")
     export.add_argument("out", help="the DCP directory or the .safetensors file to write")
     export.add_argument(
         "--tables-only",
         action="store_true",
         help="safetensors: only the tables, keyed as in an EmbeddingBagCollection",
     )
-    export.set_defaults(func=_export)
+    export.set_defaults(dir=None)
+
+    unlock = _command(
+        sub, "unlock", _unlock, "remove a directory's lock, left by a job known to be gone"
+    )
+    _directory_arguments(unlock)
     return parser
 
 
@@ -237,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except EmbckptError as exc:
+        print(f"embckpt {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an unreadable input or an unwritable output: the user's to fix
         print(f"embckpt {args.command}: {exc}", file=sys.stderr)
         return 2
 

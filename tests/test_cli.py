@@ -108,3 +108,149 @@ def test_report_on_an_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["report", str(tmp_path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["checkpoints"] == [] and report["totals"]["bytes_written"] == 0
+
+
+# -- exit codes, user errors, JSON, start-up -----------------------------------------------------
+def _exit_code(argv: list[str]) -> int:
+    """main()'s exit code, including argparse's (it exits 2 through SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("not a directory")
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    cases = {
+        ("verify", str(a_file)): "is not a directory",
+        ("inspect", str(a_file)): "is not a directory",
+        ("verify", str(missing)): "no checkpoints found",
+        ("inspect", str(empty)): "no checkpoints found",
+        ("verify", "--json", str(empty)): "no checkpoints found",
+        ("merge", str(missing), "--step", "5"): "no checkpoints found",
+        ("restore", str(missing)): "no checkpoints found",
+        ("export", str(missing), "--to", "dcp", str(missing / "out")): "does not exist",
+        ("report", str(empty), "--plot", str(missing / "r.png")): "does not exist",
+        ("report", str(empty), "--project"): "--model-bytes",
+        ("verify",): "a checkpoint directory is needed",
+        ("verify", str(empty), "--dir", str(missing)): "two directories given",
+        ("demo", "--config", str(missing / "demo.yaml")): "no such file",
+        ("demo", "--kill-at", "x"): "'x' is not an integer",
+        ("demo", "--bits", "5"): "invalid choice",
+        ("report", str(empty), "--days", "-1"): "must be > 0",
+        ("report", str(empty), "--touch-rate", "2"): "must be in (0, 1]",
+        ("report", str(empty), "--interval", "soon"): "is not a duration",
+        ("verify", str(empty), "--step", "-3"): "must be >= 0",
+    }
+    for argv, message in cases.items():
+        assert _exit_code(list(argv)) == 2, argv
+        captured = capsys.readouterr()
+        assert message in captured.err, (argv, captured.err)
+        assert "Traceback" not in captured.err
+    assert not (missing / "r.png").exists()
+
+
+def test_allow_empty_makes_an_empty_directory_a_success(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["verify", str(tmp_path), "--allow-empty"]) == 0
+    assert main(["inspect", str(tmp_path / "missing"), "--allow-empty"]) == 0
+    assert "no committed checkpoint" in capsys.readouterr().out
+
+
+def test_verify_json(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
+    directory = run_copy / "one_shot"
+    assert main(["verify", str(directory), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["ok"] is True and doc["step"] is None
+    assert doc["checked"] == [5, 10, 15] and doc["problems"] == [] and doc["files_checked"] > 0
+    damaged = _files(directory / STEP_15 / "tables", "*/*.parquet")[0]
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    assert main(["verify", "--dir", str(directory), "--json", "--step", "15"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["step"] == 15
+    assert [p["path"] for p in doc["problems"]] == [str(damaged)]
+
+
+def test_inspect_json(saved_runs: Path, capsys: pytest.CaptureFixture) -> None:
+    directory = saved_runs / "incremental"
+    assert main(["inspect", str(directory), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["directory"] == str(directory)
+    steps = [(c["step"], c["kind"], c["parent_step"]) for c in doc["checkpoints"]]
+    assert steps == [(5, "full", None), (10, "diff", 5), (15, "diff", 10)]
+    step_15 = directory / STEP_15
+    on_disk = sum(
+        p.stat().st_size for p in step_15.rglob("*") if p.is_file() and p.name != "MANIFEST.json"
+    )
+    assert doc["checkpoints"][-1]["bytes"] == on_disk
+    tables = {t["name"]: t for t in doc["tables"]}
+    assert tables["t_rw"]["sharding_type"] == "row_wise" and tables["t_rw"]["rows"] == 240
+    shards = tables["t_rw"]["shards"]
+    assert sorted(s["rank"] for s in shards) == [0, 1]
+    assert sum(s["rows"] for s in shards) == 240
+    assert doc["unreadable_manifests"] == [] and doc["leftovers"] == []
+
+
+def test_dir_option_equals_the_positional(saved_runs: Path, capsys: pytest.CaptureFixture) -> None:
+    directory = str(saved_runs / "one_shot")
+    assert main(["inspect", directory]) == 0
+    positional = capsys.readouterr().out
+    assert main(["inspect", "--dir", directory]) == 0
+    assert capsys.readouterr().out == positional
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    from importlib.metadata import version
+
+    assert _exit_code(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"embckpt {version('embckpt')}"
+
+
+def test_every_argument_has_help_and_names_match_the_registries() -> None:
+    import argparse
+
+    from embckpt.cli import CODEC_NAMES, POLICY_NAMES, build_parser
+    from embckpt.codecs.base import _REGISTRY
+    from embckpt.codecs.uniform import QUANT_BITS
+    from embckpt.policy import POLICIES
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            assert action.help, f"embckpt {name} {action.dest}: no help text"
+    demo = {a.dest: a for a in subparsers.choices["demo"]._actions}
+    assert sorted(POLICY_NAMES) == sorted(POLICIES)
+    assert sorted(CODEC_NAMES) == sorted(_REGISTRY)
+    assert tuple(demo["bits"].choices) == QUANT_BITS
+
+
+_NO_TORCH = """
+import json, sys, time
+start = time.perf_counter()
+from embckpt.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu"))
+print(json.dumps({"code": code, "heavy": heavy, "seconds": time.perf_counter() - start}))
+"""
+
+
+@pytest.mark.parametrize("command", [["--help"], ["verify"], ["inspect"], ["inspect", "--json"]])
+def test_help_verify_and_inspect_never_import_torch(saved_runs: Path, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    argv = command if command == ["--help"] else [*command, str(saved_runs / "one_shot")]
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120
+    )
+    doc = json.loads(result.stdout.strip().splitlines()[-1])
+    assert doc["code"] == 0, result.stderr
+    assert doc["heavy"] == []
