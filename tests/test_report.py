@@ -7,6 +7,7 @@ import argparse
 import base64
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -291,6 +292,108 @@ def test_plot_and_html_are_written(
     assert embedded and base64.b64decode(embedded.group(1)) == data
     # Self-contained: nothing fetched from elsewhere.
     assert not re.search(r"(src|href)=['\"](?!data:)", text) and "<script" not in text
+
+
+# -- the page in a real browser -------------------------------------------------------------------
+# Chromium from the system's packages (scripts/install_browser.sh installs Debian's), driven by
+# Playwright. A missing browser fails the test with the way to install it: a skip would let a
+# fresh machine pass without ever rendering the page.
+BROWSER_HELP = (
+    "run `bash scripts/install_browser.sh` (as root: apt-get install chromium) and "
+    "`.venv/bin/pip install playwright`, or point EMBCKPT_CHROMIUM at a Chromium binary"
+)
+LONG_NAME = "a_checkpoint_folder_whose_name_is_long_enough_to_overflow_a_phone_screen_" * 2
+
+
+def _chromium() -> str:
+    """The Chromium binary: EMBCKPT_CHROMIUM, else the first one on PATH."""
+    names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+    found = os.environ.get("EMBCKPT_CHROMIUM") or next(filter(None, map(shutil.which, names)), None)
+    if not found or not Path(found).exists():
+        pytest.fail(f"no Chromium found to render the report page in: {BROWSER_HELP}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser() -> Any:
+    """A headless Chromium for this module's tests."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail(f"the Python package playwright is missing: {BROWSER_HELP}")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=_chromium(), headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def report_page(saved_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The page of the one-shot run, with a projection, in a folder with a long unbroken name."""
+    root = tmp_path_factory.mktemp("page")
+    directory = root / LONG_NAME
+    shutil.copytree(saved_runs / "one_shot", directory)
+    page = root / "report.html"
+    argv = ["report", str(directory), "--html", str(page), "--project", "--model-bytes", "2TB"]
+    assert main(argv) == 0
+    return page
+
+
+# Scrolls every table box to its right end and returns, per table, the box's client and scroll
+# widths and where the table's last header cell then lies on screen.
+_TABLE_GEOMETRY = """() => [...document.querySelectorAll('table')].map(table => {
+    const box = table.parentElement;
+    box.scrollLeft = box.scrollWidth;
+    const last = table.querySelector('tr').lastElementChild.getBoundingClientRect();
+    const shown = table.getBoundingClientRect();
+    return {box: box.className, client: box.clientWidth, scroll: box.scrollWidth,
+            lastLeft: last.left, lastRight: last.right, height: shown.height};
+})"""
+
+
+@pytest.mark.parametrize(
+    "width, mobile", [(400, True), (400, False), (1280, False)], ids=["phone", "400", "1280"]
+)
+def test_page_fits_the_screen_in_a_real_browser(
+    browser: Any, report_page: Path, tmp_path: Path, width: int, mobile: bool
+) -> None:
+    # A phone lays the page out 980 px wide unless the viewport meta says otherwise, so the
+    # phone case fails without it; the desktop cases catch overflow from content.
+    context = browser.new_context(
+        viewport={"width": width, "height": 900}, is_mobile=mobile, has_touch=mobile
+    )
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(report_page.as_uri())
+    page.wait_for_load_state("load")
+
+    assert page.evaluate("document.documentElement.lang") == "en"
+    viewport = page.locator("meta[name=viewport]").get_attribute("content") or ""
+    assert "width=device-width" in viewport
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    assert page.evaluate("document.body.scrollWidth") <= width
+    assert page.evaluate("window.innerWidth") == width
+    # Every table is shown and, scrolled inside its own box, shows its last column on screen.
+    tables = page.evaluate(_TABLE_GEOMETRY)
+    assert len(tables) >= 4  # totals, checkpoints, tables, projection
+    for table in tables:
+        assert table["box"] == "scroll" and table["height"] > 0
+        assert 0 <= table["lastLeft"] < table["lastRight"] <= width
+    if width == 400:  # the checkpoint list is wider than a phone: its box scrolls, not the page
+        assert any(t["scroll"] > t["client"] for t in tables)
+    for cell in ("5", "10", "15", "t_rw"):
+        assert page.get_by_role("cell", name=cell, exact=True).first.is_visible(), cell
+    image = page.locator("img")
+    assert image.evaluate("img => img.complete && img.naturalWidth") >= 800
+    box = image.bounding_box()
+    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= width
+    assert LONG_NAME[:40] in page.locator("h1").inner_text().replace("\n", "")
+    page.screenshot(path=str(tmp_path / f"report_{width}.png"), full_page=True)
+    assert _png_size((tmp_path / f"report_{width}.png").read_bytes())[0] == width
+    assert errors == []
+    context.close()
 
 
 # -- projection ---------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 The page holds the totals, the figure of :mod:`embckpt.report.plots` (a PNG inlined as a base64 data
 URI), the checkpoint and table lists and, when the report has one, the projection. Its CSS is
-inline and it links to nothing, so it can be mailed or attached to a ticket as it is.
+inline and it links to nothing, so it can be mailed or attached to a ticket as it is. It reads on
+a phone: each table scrolls sideways inside its own box, so the page itself never does
+(``tests/test_report.py`` renders it in headless Chromium at 400 and 1280 px).
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from embckpt.report.build import format_bytes
 from embckpt.report.projection import format_days
 
 _CSS = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; padding: 0 .8em; max-width: 1200px;
+  color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.8em; }
-table { border-collapse: collapse; margin: .5em 0; }
-th, td { padding: .2em .7em; border-bottom: 1px solid #ddd; text-align: right; }
-th { background: #f3f3f3; } td.l, th.l { text-align: left; }
+h1, p { overflow-wrap: anywhere; }
+.scroll { overflow-x: auto; margin: .5em 0; }
+table { border-collapse: collapse; }
+th, td { padding: .2em .7em; border-bottom: 1px solid #ddd; text-align: right;
+  white-space: nowrap; }
+th { background: #f3f3f3; } .l { text-align: left; } .w { white-space: normal; min-width: 9em; }
 tr.full td { background: #eef4fb; }
 .note { background: #fff4d6; border-left: 4px solid #e0a800; padding: .4em .8em; margin: .3em 0; }
-img { max-width: 100%; border: 1px solid #ddd; }
+img { max-width: 100%; height: auto; box-sizing: border-box; border: 1px solid #ddd; }
 """
 
 
@@ -33,13 +39,15 @@ def render_html(report: dict[str, Any], png: bytes | None) -> str:
     totals = report["totals"]
     title = f"Checkpoint storage cost: {report['directory']}"
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>",
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>{_e(title)}</title>",
         f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>",
         *(f"<p class='note'>{_e(note)}</p>" for note in report["notes"]),
     ]
     if report["checkpoints"]:
         parts.append("<h2>Totals</h2>")
-        parts.append(_table(["", "bytes", ""], _total_rows(totals), left=(0, 2)))
+        parts.append(_table(["", "bytes", ""], _total_rows(totals), left=(0, 2), wrap=(0, 2)))
     if png:
         data = base64.b64encode(png).decode()
         parts.append(
@@ -75,17 +83,23 @@ def _table(
     rows: Iterable[Sequence[object]],
     left: Sequence[int] = (0,),
     row_class: Sequence[str] | None = None,
+    wrap: Sequence[int] = (),
 ) -> str:
-    def cell(tag: str, i: int, value: object) -> str:
-        return (
-            f"<{tag} class='l'>{_e(value)}</{tag}>" if i in left else f"<{tag}>{_e(value)}</{tag}>"
-        )
+    """A table in its own sideways-scrolling box; cells stay on one line, but ``wrap``'s."""
 
-    out = ["<table><tr>" + "".join(cell("th", i, h) for i, h in enumerate(header)) + "</tr>"]
+    def cell(tag: str, i: int, value: object) -> str:
+        css = " ".join(name for name, on in (("l", i in left), ("w", i in wrap)) if on)
+        return f"<{tag} class='{css}'>{_e(value)}</{tag}>" if css else f"<{tag}>{_e(value)}</{tag}>"
+
+    out = [
+        "<div class='scroll'><table><tr>"
+        + "".join(cell("th", i, h) for i, h in enumerate(header))
+        + "</tr>"
+    ]
     for n, row in enumerate(rows):
         css = f" class='{row_class[n]}'" if row_class else ""
         out.append(f"<tr{css}>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>")
-    out.append("</table>")
+    out.append("</table></div>")
     return "".join(out)
 
 
@@ -203,5 +217,5 @@ def _projection(p: dict[str, Any]) -> str:
     return (
         f"<h2>Projection: a {_e(format_bytes(p['model_bytes']))} model over "
         f"{format_days(p['days'])}</h2>"
-        f"<p>Assumptions:</p><ul>{assumptions}</ul>{_table(['', 'projected'], rows)}"
+        f"<p>Assumptions:</p><ul>{assumptions}</ul>{_table(['', 'projected'], rows, wrap=(0,))}"
     )
