@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 from torch import nn
 
@@ -53,7 +54,7 @@ from embckpt.sharding import ShardedModel, discover
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
-from embckpt.storage.retention import apply_retention
+from embckpt.storage.retention import apply_retention, discard_newer
 from embckpt.tracking import RowTracker, View
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Checkpointer:
         optimizer: the dense optimizer (the fused embedding optimizer is found on the model).
         config: how to checkpoint; defaults to :class:`CheckpointConfig`'s defaults.
         statefuls: extra per-rank state saved with every checkpoint (data iterator, schedulers).
+        filesystem: a configured ``pyarrow.fs.FileSystem`` (endpoint, retry strategy,
+            credentials); ``directory`` is then the path inside it.
     """
 
     def __init__(
@@ -122,14 +125,17 @@ class Checkpointer:
         optimizer: Any | None = None,
         config: CheckpointConfig | None = None,
         statefuls: Mapping[str, dense.Stateful] | None = None,
+        filesystem: pafs.FileSystem | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.config = config or CheckpointConfig()
         self.statefuls = dict(statefuls or {})
         self.comm = Collective()
-        self.store = CheckpointStore(directory, fsync=self.config.fsync)
-        self._lock = DirectoryLock(self.store.fs, self.store.root, self.store.is_local)
+        self.store = CheckpointStore(directory, fsync=self.config.fsync, filesystem=filesystem)
+        self._lock = DirectoryLock(
+            self.store.fs, self.store.root, self.store.is_local, self.config.lock_lease_s
+        )
         error: BaseException | None = None
         if self.comm.rank == 0:
             try:
@@ -290,7 +296,8 @@ class Checkpointer:
         if self.store.is_committed(step):
             return (
                 f"step {step}: {self.store.step_path(step, MANIFEST_NAME)} already exists; "
-                "a committed checkpoint is never overwritten"
+                "a committed checkpoint is never overwritten (to resume from an older step "
+                "and drop the newer checkpoints, restore it with discard_newer=True)"
             )
         try:
             if step in self.store.leftover_steps():
@@ -373,6 +380,7 @@ class Checkpointer:
             error = None
             if self.comm.rank == 0:
                 try:
+                    self._lock.check_held()  # a job that lost the directory never commits
                     self.store.write_atomic(
                         self.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
                     )
@@ -453,10 +461,13 @@ class Checkpointer:
         )
 
     # -- restore ------------------------------------------------------------------------------
-    def restore(self, step: int | None = None) -> int | None:
+    def restore(self, step: int | None = None, *, discard_newer: bool = False) -> int | None:
         """Loads checkpoint ``step`` (the latest committed one if None) into the live model.
 
-        Waits for a checkpoint in flight first.
+        Waits for a checkpoint in flight first. Resuming from a step older than the latest
+        needs ``discard_newer=True``: the newer checkpoints are then moved aside (see
+        :meth:`load`); without it a warning says so, and saving a step that is still committed
+        fails.
 
         Returns:
             The restored step, the same on every rank; None on every rank if the directory
@@ -467,12 +478,18 @@ class Checkpointer:
                 (the message names it); nothing was loaded.
             ChainIncompleteError: a checkpoint the chain needs is not committed.
             ModelMismatchError: the model's tables differ from the checkpoint's.
+            LeaseLostError: ``discard_newer`` while this job no longer holds the directory.
         """
-        result = self.load(step)
+        result = self.load(step, discard_newer=discard_newer)
         return None if result is None else result.manifest.step
 
     def load(
-        self, step: int | None = None, *, threads: int | None = None, progress: bool | None = None
+        self,
+        step: int | None = None,
+        *,
+        threads: int | None = None,
+        progress: bool | None = None,
+        discard_newer: bool = False,
     ) -> RestoreResult | None:
         """:meth:`restore`, returning what was restored: the chain, the bytes read, the time
         taken and the state that could not be restored (see ``RestoreResult``).
@@ -482,6 +499,14 @@ class Checkpointer:
             threads: reader threads per rank (default: ``EMBCKPT_RESTORE_THREADS``, else the
                 rank's share of the cores).
             progress: a progress bar on rank 0 (None: for large restores on a terminal).
+            discard_newer: after a successful restore, rank 0 moves every committed checkpoint
+                newer than the restored one to ``discarded/`` under the directory (manifest
+                first: never a broken committed checkpoint; ``storage/retention.py``), so the
+                job continues from here and ``restore()`` of the latest finds its new saves.
+
+        Raises:
+            LeaseLostError: ``discard_newer`` while this job no longer holds the directory
+                (the restore itself is done); others as :meth:`restore`.
         """
         self._finish_inflight()
         target = RestoreTarget(
@@ -505,7 +530,33 @@ class Checkpointer:
             self.tracker.mark(key, local_rows, View.SINCE_FULL)
         self.head = result.manifest  # the next checkpoint continues this chain
         self.restores = int(result.manifest.stats.get("restores", 0)) + 1
+        self._settle_newer(result.manifest.step, discard_newer)
         return result
+
+    def _settle_newer(self, step: int, discard: bool) -> None:
+        """Rank 0 moves checkpoints newer than the restored ``step`` aside, or warns that they
+        are there; every rank raises if that failed."""
+        error: BaseException | None = None
+        if self.comm.rank == 0:
+            try:
+                newer = [s for s in self.store.committed_steps() if s > step]
+                if newer and discard:
+                    self._lock.check_held()
+                    moved, into = discard_newer(self.store, step)
+                    log.warning("resumed from step %d: moved steps %s to %s", step, moved, into)
+                elif newer:
+                    log.warning(
+                        "restored step %d of %s, which also holds newer checkpoints %s: saving "
+                        "one of those steps again will fail, and restore() of the latest would "
+                        "skip this run's saves; restore with discard_newer=True to move them "
+                        "aside",
+                        step,
+                        self.store.uri,
+                        newer,
+                    )
+            except Exception as exc:  # raised on every rank below
+                error = exc
+        self.comm.check(error, f"moving checkpoints newer than step {step} aside")
 
     def close(self) -> None:
         """Finishes the checkpoint in flight (raising its failure if unseen), removes hooks."""

@@ -30,6 +30,16 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:012d}"
 
 
+def _unwrap(filesystem: pafs.FileSystem, path: str) -> tuple[pafs.FileSystem, str]:
+    """The base filesystem under any ``SubTreeFileSystem`` layers, and ``path`` on it."""
+    while isinstance(filesystem, pafs.SubTreeFileSystem):
+        path = f"{filesystem.base_path.rstrip('/')}/{path.lstrip('/')}"
+        filesystem = filesystem.base_fs
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return filesystem, str(Path(path).absolute())
+    return filesystem, path.rstrip("/")
+
+
 @dataclass(frozen=True)
 class WrittenFile:
     """What the writer of a file knows about it: the manifest's record of it."""
@@ -43,13 +53,31 @@ class CheckpointStore:
     """The root folder of a job's checkpoints.
 
     Args:
-        uri: a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``).
+        uri: a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``);
+            with ``filesystem``, the root's path inside that filesystem.
         fsync: fsync local files and their folder before a write returns.
+        filesystem: a configured filesystem (an ``S3FileSystem`` with its own endpoint, retry
+            strategy or credentials, a ``SubTreeFileSystem``...) to use instead of resolving
+            ``uri``. A ``SubTreeFileSystem`` is unwrapped to its base, so a local one keeps
+            atomic renames; ``uri`` then only names the directory in messages.
+
+    Raises:
+        ValueError: ``filesystem`` is given with a URI instead of a path.
     """
 
-    def __init__(self, uri: str | Path, *, fsync: bool = True) -> None:
+    def __init__(
+        self, uri: str | Path, *, fsync: bool = True, filesystem: pafs.FileSystem | None = None
+    ) -> None:
         uri = str(uri)
-        if "://" in uri:
+        if filesystem is not None:
+            if "://" in uri:
+                raise ValueError(
+                    f"{uri}: with a filesystem, give the directory's path inside it, not a URI"
+                )
+            self.fs, self.root = _unwrap(filesystem, uri)
+            local = isinstance(self.fs, pafs.LocalFileSystem)
+            uri = self.root if local else f"{self.fs.type_name}://{self.root}"
+        elif "://" in uri:
             self.fs, self.root = pafs.FileSystem.from_uri(uri)
         else:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).absolute())
