@@ -150,16 +150,31 @@ def test_renewal_keeps_the_lease_past_its_length(tmp_path: Path) -> None:
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_a_lease_that_is_not_renewed_is_lost(tmp_path: Path) -> None:
+def test_a_lease_that_is_not_renewed_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = CheckpointStore(tmp_path)
     lock = _lock(store, lease_s=30)
     lock.acquire()
-    assert lock._lease is not None
-    lock._lease.stop.set()  # as if the renewer were stuck
-    lock._lease.owner["expires"] = time.time() - 1
+    lease = lock._lease
+    assert lease is not None
+    lease.stop.set()  # the renewals below are driven by hand
+
+    def unreachable(path: str | None = None) -> None:
+        raise OSError("storage unreachable")
+
+    monkeypatch.setattr(lock, "_read", unreachable)
+    with caplog.at_level(logging.WARNING, logger="embckpt.storage.lock"):
+        assert lock._renew(lease) is True  # a failed renewal is retried while the lease lasts
+        assert "renewing the lease failed: storage unreachable" in caplog.text
+        lease.owner["expires"] = time.time() - 1
+        assert lock._renew(lease) is False
+    assert "lost the directory lock" in caplog.text
+    monkeypatch.undo()
     with pytest.raises(LeaseLostError, match="expired"):
         lock.check_held()
     lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 @pytest.fixture

@@ -78,6 +78,12 @@ def _when(unix: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(str(unix))))
 
 
+def _lost_to(found: dict[str, object] | None) -> str:
+    if found is None:
+        return "the lock file was removed (embckpt unlock?)"
+    return f"taken over by {describe(found)}" if found else "overwritten by an unreadable lock"
+
+
 def _pid_gone(owner: dict[str, object]) -> bool:
     """True only if the owner's process certainly no longer exists (same host, no such pid)."""
     if owner.get("host") != socket.gethostname():
@@ -300,7 +306,7 @@ class DirectoryLock:
             try:
                 found = self._read()
                 if found is None or found.get("token") != lease.owner["token"]:
-                    lease.lost = "taken over by " + (describe(found) if found else "nobody")
+                    lease.lost = _lost_to(found)
                 else:
                     renewed = {**lease.owner, "expires": now + self.lease_s}
                     self._replace(renewed)
@@ -327,7 +333,7 @@ class DirectoryLock:
             except OSError as exc:
                 raise LeaseLostError(f"{self.path}: cannot read the lock: {exc}") from exc
             if found is None or found.get("token") != lease.owner["token"]:
-                lease.lost = "taken over by " + (describe(found) if found else "nobody")
+                lease.lost = _lost_to(found)
             elif time.time() >= float(str(lease.owner["expires"])):
                 lease.lost = f"the lease expired at {_when(lease.owner['expires'])}"
         if lease.lost is not None:
