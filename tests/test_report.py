@@ -294,6 +294,61 @@ def test_plot_and_html_are_written(
     assert not re.search(r"(src|href)=['\"](?!data:)", text) and "<script" not in text
 
 
+def test_fp32_baseline_counts_every_file_the_bars_count(saved_runs: Path) -> None:
+    """The baseline is a full fp32 checkpoint of the same files: every table's values and
+    optimizer state in fp32 (measured here from the lossless full checkpoint's row columns) plus
+    the dense and per-rank files each checkpoint writes whole (measured on disk)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from embckpt.report.plots import _figure
+
+    directory = saved_runs / "one_shot"
+    full = directory / "step_000000000005"
+    # The raw codec stores every value and optimizer state in fixed-width fp32 columns.
+    columns = [
+        column
+        for path in (full / "tables").rglob("*.parquet")
+        for column in pq.read_table(path).drop_columns(["row"]).columns
+    ]
+    assert all(column.null_count == 0 for column in columns)
+    tables_fp32 = sum(
+        len(column) * column.type.list_size * column.type.value_type.byte_width
+        if pa.types.is_fixed_size_list(column.type)
+        else len(column) * column.type.byte_width
+        for column in columns
+    )
+    assert tables_fp32 == 5 * 240 * 8 * 4 + 4 * 240 * 4 + 240 * 4  # values, momentum (cw: 2)
+    side = {
+        step: sum(p.stat().st_size for p in (directory / f"step_{step:012d}/dense").iterdir())
+        for step in (5, 10, 15)
+    }
+    on_disk = {
+        step: sum(p.stat().st_size for p in _data_files(directory / f"step_{step:012d}"))
+        for step in (5, 10, 15)
+    }
+    report = build_report(CheckpointStore(directory))
+    rows = report["checkpoints"]
+    assert [r["side_bytes"] for r in rows] == [side[5], side[10], side[15]]
+    assert all(s > 0 for s in side.values())
+    expected = [tables_fp32 + side[s] for s in (5, 10, 15)]
+    assert [r["full_fp32_bytes"] for r in rows] == expected
+    assert [r["ratio_vs_full_fp32"] for r in rows] == pytest.approx(
+        [expected[i] / on_disk[s] for i, s in enumerate((5, 10, 15))]
+    )
+    totals = report["totals"]
+    assert totals["full_fp32_bytes_written"] == sum(expected)
+    assert totals["ratio_vs_full_fp32"] == pytest.approx(sum(expected) / sum(on_disk.values()))
+    # The figure: bars are the bytes on disk, the dashed baseline is the same files in fp32.
+    fig = _figure(report)
+    written, held = fig.axes[0], fig.axes[1]
+    assert [bar.get_height() for bar in written.patches] == [on_disk[s] for s in (5, 10, 15)]
+    (baseline,) = [line for line in written.get_lines() if "baseline" in line.get_label()]
+    assert list(baseline.get_ydata())[1:] == expected
+    (every,) = [line for line in held.get_lines() if "full fp32" in line.get_label()]
+    assert list(every.get_ydata())[-1] == sum(expected)
+
+
 # -- the page in a real browser -------------------------------------------------------------------
 # Chromium from the system's packages (scripts/install_browser.sh installs Debian's), driven by
 # Playwright. A missing browser fails the test with the way to install it: a skip would let a

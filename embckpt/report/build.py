@@ -9,8 +9,12 @@ It never fails on an empty, missing or half-written directory: ``notes`` says wh
 Definitions (each a measurement of what is on disk now, not of what was ever written):
 
 - bytes: the bytes of the files a checkpoint's manifest lists (the manifest itself excluded).
-- full fp32: one uncompressed fp32 copy of every table and its optimizer state
-  (``stats.full_fp32_bytes``); ``ratio_vs_full_fp32`` is full fp32 / bytes, so higher is better.
+- full fp32 (of a checkpoint): what a full fp32 checkpoint of the job would write in its place:
+  one uncompressed fp32 copy of every table and its optimizer state (``stats.full_fp32_bytes``)
+  plus the checkpoint's dense and per-rank files (``side_bytes``: dense modules, dense optimizer,
+  RNG, statefuls), which every checkpoint writes whole. So the baseline counts every file that
+  bytes counts. ``ratio_vs_full_fp32`` is full fp32 / bytes, so higher is better. Per table,
+  full fp32 is the table and its optimizer state alone (its bytes are its rows files).
 - storage held: the listed files of committed checkpoints found on disk now. Nothing is deleted
   yet, so it equals bytes written; once retention deletes checkpoints, held over time (the
   ``cumulative_bytes`` of each checkpoint) is rebuilt from the survivors only and undercounts.
@@ -32,7 +36,8 @@ ever added, never renamed; ``?`` marks a value that may be null; tests check thi
         parent_step: int?
         base_step: int
         policy: str
-        full_fp32_bytes: int
+        full_fp32_bytes: int           tables and optimizer state in fp32 + side_bytes
+        side_bytes: int                the dense and per-rank files (roles dense and rank)
         ratio_vs_full_fp32: float      0.0 when bytes is 0
         dirty_fraction: float?
         save_seconds: float?
@@ -192,7 +197,9 @@ def _list_sizes(store: CheckpointStore, step: int) -> dict[str, int]:
 def _checkpoint_row(
     manifest: Manifest, sizes: dict[str, int], writes: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
-    full_bytes = int(manifest.stats.get("full_fp32_bytes", 0))
+    side = sum(f.bytes for f in manifest.files if f.role != "rows")
+    tables_fp32 = int(manifest.stats.get("full_fp32_bytes", 0))
+    full_bytes = tables_fp32 + side if tables_fp32 else 0  # no baseline without the tables'
     tables = {t.name: t for t in manifest.tables}
     return {
         "step": manifest.step,
@@ -203,6 +210,7 @@ def _checkpoint_row(
         "base_step": manifest.base_step,
         "policy": manifest.policy,
         "full_fp32_bytes": full_bytes,
+        "side_bytes": side,
         "ratio_vs_full_fp32": full_bytes / manifest.total_bytes if manifest.total_bytes else 0.0,
         "dirty_fraction": manifest.stats.get("dirty_fraction"),
         "save_seconds": manifest.stats.get("save_seconds"),

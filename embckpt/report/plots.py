@@ -1,7 +1,8 @@
 """Figures of a storage-cost report, after Check-N-Run's Figures 15 and 16.
 
 One PNG, three panels, each readable without the paper: bytes written per checkpoint interval
-(full and diff checkpoints apart, beside a full fp32 checkpoint), storage held over time beside
+(full and diff checkpoints apart, beside a full fp32 checkpoint of the same files: tables,
+optimizer state, dense and per-rank files), storage held over time beside
 writing a full checkpoint every time, and the compression of each table. Axes switch to a log
 scale when the values span more than ``LOG_SPAN`` (x). matplotlib is imported only here, with
 the Agg backend, when a figure is drawn.
@@ -24,6 +25,15 @@ COLORS = {"full": "#1f5fa8", "diff": "#f28e2b", "fp32": "#555555", "every": "#b0
 
 def render_png(report: dict[str, Any], dpi: int = 110) -> bytes:
     """The report's figure as PNG bytes; a figure that says so when there is no checkpoint."""
+    fig = _figure(report)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    fig.clear()
+    return buffer.getvalue()
+
+
+def _figure(report: dict[str, Any]) -> Any:
+    """The matplotlib figure of :func:`render_png`, apart so that tests can read what it drew."""
     matplotlib = import_extra("matplotlib", "plots")
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -55,10 +65,8 @@ def render_png(report: dict[str, Any], dpi: int = 110) -> bytes:
             f"({ratio:.2f}x more)",
             fontsize=12,
         )
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    plt.close(fig)
-    return buffer.getvalue()
+    plt.close(fig)  # pyplot forgets it; the caller holds the only reference
+    return fig
 
 
 def _bytes_yaxis(ax: Any, values: list[float]) -> None:
@@ -96,7 +104,7 @@ def _written_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
             where="post",
             color=COLORS["fp32"],
             linestyle="--",
-            label="a full fp32 checkpoint of tables and optimizer state (the baseline)",
+            label="a full fp32 checkpoint of the same files (the baseline)",
         )
     if len(rows) <= MAX_ANNOTATED:
         for i, row in enumerate(rows):
