@@ -1,14 +1,20 @@
 """Frozen settings of the checkpointer, loadable from YAML.
 
 Every knob of embckpt lives in :class:`CheckpointConfig` so that a run is described by one YAML
-file (see ``configs/``) and unknown keys fail loudly instead of being ignored. Names of
-policies and codecs are checked against their registries (``policy.POLICIES``, the codec
-registry), never against lists kept here.
+file (see ``configs/``) and unknown keys fail loudly instead of being ignored. Every value is
+checked against its field's type (:func:`check_fields`), so ``fsync: 'no'`` or ``interval: 1.5``
+is an error naming the field rather than a silently different run; fields ending in ``_bytes``
+also take sizes (``4GB``, ``512MiB``) and fields ending in ``_s`` durations (``30s``, ``5min``),
+spelt as on the command line (:mod:`embckpt.units`). Names of policies and codecs are checked
+against their registries (``policy.POLICIES``, the codec registry), never against lists kept
+here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ import yaml
 from embckpt.codecs import Codec, make_codec
 from embckpt.errors import ConfigError
 from embckpt.policy import make_policy
+from embckpt.units import parse_duration, parse_size
 
 PIPELINES = ("full", "persist", "off")
 
@@ -87,12 +94,11 @@ class CheckpointConfig:
     lock_lease_s: float = 60.0
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.keep_last < 0:
             raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
-        if isinstance(self.bits, bool):
-            raise ConfigError(f"bits must be a code width or None, got {self.bits!r}")
         if self.full_every < 0:
             raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
         if self.pipeline not in PIPELINES:
@@ -105,6 +111,7 @@ class CheckpointConfig:
             "staging_budget_bytes",
             "io_threads",
             "interval",
+            "lock_lease_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -120,11 +127,82 @@ class CheckpointConfig:
 _T = TypeVar("_T")
 
 
-def from_mapping(cls: type[_T], values: Mapping[str, Any], where: str = "config") -> _T:
-    """Builds dataclass ``cls`` from a mapping, recursing into nested dataclasses.
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def typed_value(where: str, hint: Any, value: Any) -> Any:
+    """``value`` checked against the type hint of field ``where``; sizes (``where`` ends in
+    ``_bytes``) and durations (``_s``) given as strings become numbers, lists become tuples.
 
     Raises:
-        ConfigError: a key is unknown or a value is invalid; the message names ``where``.
+        ConfigError: the value does not have the field's type; the message names ``where``.
+        TypeError: a hint this checker does not know (a new field needs a rule here).
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = (a for a in args if a is not type(None))
+        return typed_value(where, inner, value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {_shown(value)}")
+    if hint in (int, float):
+        parse = parse_size if where.endswith("_bytes") else parse_duration
+        if isinstance(value, str) and where.endswith(("_bytes", "_s")):
+            try:
+                value = parse(value)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        numeric = numbers.Integral if hint is int else numbers.Real
+        if isinstance(value, numeric) and not isinstance(value, bool):
+            return hint(value)
+        kind = "an integer" if hint is int else "a number"
+        raise ConfigError(f"{where}: expected {kind}, got {_shown(value)}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
+        return tuple(typed_value(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
+    if origin in (Mapping, dict):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {_shown(value)}")
+        for key, item in value.items():
+            typed_value(f"{where} key {key!r}", args[0], key)
+            typed_value(f"{where}[{key!r}]", args[1], item)
+        return value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        raise ConfigError(f"{where}: expected a mapping of {hint.__name__}, got {_shown(value)}")
+    raise TypeError(f"{where}: no type check for {hint!r}")
+
+
+def check_fields(instance: Any) -> None:
+    """Checks (and coerces, see :func:`typed_value`) every field of a frozen dataclass."""
+    cls = type(instance)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        checked = typed_value(f"{cls.__name__}.{f.name}", hints[f.name], value)
+        if checked is not value:
+            object.__setattr__(instance, f.name, checked)
+
+
+def from_mapping(cls: type[_T], values: Mapping[str, Any], where: str = "config") -> _T:
+    """Builds dataclass ``cls`` from a mapping, recursing into nested dataclasses; every value
+    is checked against its field's type first (:func:`typed_value`).
+
+    Raises:
+        ConfigError: a key is unknown or a value is invalid; the message names ``where`` and
+            the field.
     """
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(known))
@@ -133,21 +211,14 @@ def from_mapping(cls: type[_T], values: Mapping[str, Any], where: str = "config"
     kwargs: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
-        target = known[name].type
-        nested = hints.get(name)
-        if (
-            isinstance(nested, type)
-            and dataclasses.is_dataclass(nested)
-            and isinstance(value, Mapping)
-        ):
-            kwargs[name] = from_mapping(nested, value, f"{where}.{name}")
-        elif isinstance(value, list) and "tuple" in str(target):
-            kwargs[name] = tuple(value)
+        hint = hints[name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            kwargs[name] = from_mapping(hint, value, f"{where}.{name}")
         else:
-            kwargs[name] = value
+            kwargs[name] = typed_value(f"{where}.{name}", hint, value)
     try:
         return cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 

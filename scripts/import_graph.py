@@ -145,8 +145,8 @@ def violations(imports: list[Import]) -> list[str]:
         rule = None
         if tgt == "cli" and src != "cli":
             rule = "nothing imports cli"
-        elif _within(src, "errors", "dtypes") and tgt not in ("errors",):
-            rule = "errors and dtypes import nothing of embckpt but errors"
+        elif _within(src, "errors", "dtypes", "units") and tgt not in ("errors",):
+            rule = "errors, dtypes and units import nothing of embckpt but errors"
         elif _within(src, "codecs") and not _within(tgt, "codecs", "errors", "dtypes"):
             rule = "codecs import only codecs, errors and dtypes"
         elif _within(src, "storage") and not (
@@ -159,8 +159,8 @@ def violations(imports: list[Import]) -> list[str]:
             rule = "core modules never import save/, read/, report/, checkpointer, cli, examples/"
         elif _within(src, "save", "read") and _within(tgt, "checkpointer", "cli", "examples"):
             rule = "save/ and read/ never import checkpointer, cli or examples/"
-        elif _within(src, "report") and not _within(tgt, "report", "storage", "errors"):
-            rule = "report/ imports only report/, storage/ and errors"
+        elif _within(src, "report") and not _within(tgt, "report", "storage", "errors", "units"):
+            rule = "report/ imports only report/, storage/, errors and units"
         elif _within(src, "examples") and not (
             imp.named in ("", "report") or _within(imp.named, "examples")
         ):

@@ -1,5 +1,7 @@
 """Settings of the example workload (the reference DLRM on Criteo-shaped data) and of a whole
-demo or benchmark run, loadable from YAML with :func:`embckpt.load_yaml`."""
+demo or benchmark run, loadable from YAML with :func:`embckpt.load_yaml`, which checks every
+value against its field's type (``batch_size: '256'`` is an error naming the field); the
+ranges are checked here."""
 
 from __future__ import annotations
 
@@ -55,6 +57,14 @@ class WorkloadConfig:
     data_path: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_dense", "embedding_dim", "ids_per_feature", "num_samples", "batch_size"):
+            _positive(self, name)
+        for name in ("learning_rate", "dense_learning_rate"):
+            _positive(self, name)
+        if not self.cardinalities or min(self.cardinalities) < 1:
+            raise ConfigError(f"cardinalities must be >= 1 each, got {self.cardinalities}")
+        if not self.dense_arch or not self.over_arch:
+            raise ConfigError("dense_arch and over_arch need at least one layer each")
         if self.dense_arch[-1] != self.embedding_dim:
             raise ConfigError(
                 f"dense_arch must end in embedding_dim={self.embedding_dim}, got {self.dense_arch}"
@@ -85,3 +95,13 @@ class DemoConfig:
     steps: int = 60
     checkpoint_every: int = 10
     world_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "checkpoint_every", "world_size"):
+            _positive(self, name)
+
+
+def _positive(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if not value > 0:
+        raise ConfigError(f"{type(config).__name__}.{name} must be > 0, got {value!r}")

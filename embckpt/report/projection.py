@@ -48,43 +48,35 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import textwrap
 from typing import Any
 
+from embckpt import units
 from embckpt.report.build import format_bytes
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b)?\s*$", re.IGNORECASE)
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|min|h|d|w)\s*$", re.IGNORECASE)
-_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_size(text: str) -> int:
-    """``2TB`` -> 2e12 bytes, ``1.5TiB`` -> 1.5 * 2**40; a bare number is bytes.
+    """``2TB`` -> 2e12 bytes, as :func:`embckpt.units.parse_size`; an argparse type.
 
     Raises:
         argparse.ArgumentTypeError: not a size.
     """
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: try 2TB, 500GB or 1.5TiB")
-    unit = (match.group(2) or "b").lower()
-    base = 1024 if "i" in unit else 1000
-    return round(float(match.group(1)) * base ** _PREFIX[unit.rstrip("b").rstrip("i")])
+    try:
+        return units.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_duration(text: str) -> float:
-    """``30m`` -> 1800.0 seconds; units s, m (min), h, d, w.
+    """``30m`` -> 1800.0 seconds, as :func:`embckpt.units.parse_duration`; an argparse type.
 
     Raises:
         argparse.ArgumentTypeError: not a duration, or zero.
     """
-    match = _DURATION.match(text)
-    seconds = float(match.group(1)) * _SECONDS[match.group(2).lower()] if match else 0.0
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: try 30m, 2h or 1d")
-    return seconds
+    try:
+        return units.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def project(
