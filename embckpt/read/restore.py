@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,7 @@ from embckpt.errors import (
     ModelMismatchError,
 )
 from embckpt.read.reader import (
+    PhaseClock,
     ReadCost,
     StagedFile,
     apply_staged,
@@ -97,6 +98,9 @@ class RestoreResult:
         chain: the steps applied, base first.
         cost: what this rank read.
         seconds: wall time of the whole restore; ``stage_seconds`` of plan + stage + agree.
+        phases: busy seconds of this rank's plan, fetch, verify, decode and apply, each summed
+            over the threads that worked in it (see ``PhaseClock``); ``plan`` includes reading
+            the chain's manifests.
         skipped: per-rank state that was not restored, with the reason (world size changed).
         diff_rows: (block key, local rows) this rank restored from the chain's diffs: the rows
             that changed since the chain's full base (the caller's tracker marks them).
@@ -109,6 +113,7 @@ class RestoreResult:
     stage_seconds: float
     skipped: tuple[str, ...]
     diff_rows: tuple[tuple[str, torch.Tensor], ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def restore_checkpoint(
@@ -160,15 +165,17 @@ def restore_checkpoint(
     staged: list[list[StagedFile]] = []
     cost = ReadCost()
     side: SideState | None = None
+    clock = PhaseClock()
     try:
-        chain = read_chain(store, target)
-        check_model_matches(into, chain[-1], store.step_path(target))
-        reads = plan_reads(chain, into.sharded.shards)
+        with clock.time("plan"):
+            chain = read_chain(store, target)
+            check_model_matches(into, chain[-1], store.step_path(target))
+            reads = plan_reads(chain, into.sharded.shards)
         total = sum(r.planned_bytes for r in reads)
         show = comm.rank == 0 and (
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
         )
-        staged, cost = stage(store, len(chain), reads, threads=threads, progress=show)
+        staged, cost = stage(store, len(chain), reads, threads=threads, progress=show, clock=clock)
         side = read_side_state(into, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
         error = exc
@@ -183,7 +190,7 @@ def restore_checkpoint(
     # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
     # on failure; the rows, verified and matched already, are applied last.
     apply_side_state(into, side)
-    applied = apply_staged(staged, threads)
+    applied = apply_staged(staged, threads, clock)
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)
     result = RestoreResult(
@@ -194,6 +201,7 @@ def restore_checkpoint(
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
         diff_rows=tuple((p.shard.key, p.local_rows) for p in applied if p.from_diff),
+        phases=dict(clock.seconds),
     )
     log.info(
         "restored step %d (chain %s) in %.3f s: read %.1f MB of rows files for %.1f MB needed",
