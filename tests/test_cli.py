@@ -254,3 +254,30 @@ def test_help_verify_and_inspect_never_import_torch(saved_runs: Path, command: l
     doc = json.loads(result.stdout.strip().splitlines()[-1])
     assert doc["code"] == 0, result.stderr
     assert doc["heavy"] == []
+
+
+def test_unlock_removes_a_held_lock_and_names_its_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import socket
+
+    from embckpt.storage.fs import CheckpointStore
+    from embckpt.storage.lock import LOCK_NAME, DirectoryLock
+
+    store = CheckpointStore(tmp_path / "ckpts")
+    store.create_root()
+    lock = DirectoryLock(store.fs, store.root, store.is_local)
+    lock.acquire()
+    try:
+        assert (tmp_path / "ckpts" / LOCK_NAME).is_file()
+        assert main(["unlock", str(tmp_path / "ckpts")]) == 0
+        out = capsys.readouterr().out
+        assert f"removed the lock of process {os.getpid()} on {socket.gethostname()}" in out
+        assert not (tmp_path / "ckpts" / LOCK_NAME).exists()
+    finally:
+        lock.release()
+    assert main(["unlock", "--dir", str(tmp_path / "ckpts")]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'ckpts'}: no lock"
+    (tmp_path / "file").write_text("x")
+    assert main(["unlock", str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
