@@ -54,6 +54,7 @@ from embckpt.sharding import ShardedModel, discover
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
+from embckpt.storage.phases import PhaseClock
 from embckpt.storage.retention import apply_retention, discard_newer
 from embckpt.tracking import RowTracker, View
 
@@ -96,6 +97,7 @@ class _Snapshot:
     taken: dict[View, list[torch.Tensor]]
     dense: dict[str, Any] | None
     rank: dict[str, Any]
+    clock: PhaseClock
     pending: list[Unit] = field(default_factory=list)
     staged: list[StagedUnit] = field(default_factory=list)
     entries: list[FileEntry] = field(default_factory=list)
@@ -215,7 +217,10 @@ class Checkpointer:
         if decision.kind is Kind.SKIP:
             future.set_result(None)
             return handle
-        snapshot = self._snapshot(step, decision, dirty, started)
+        clock = PhaseClock()
+        self.store.clock = clock  # the store's writes report their write and fsync time to it
+        with clock.time("snapshot"):
+            snapshot = self._snapshot(step, decision, dirty, started, clock)
         mode = self.config.pipeline
         if mode == "off":
             _run_into(future, self._persist, snapshot)
@@ -224,7 +229,8 @@ class Checkpointer:
                 future.result()
         else:
             if mode == "persist" and snapshot.pending:
-                snapshot.staged = self._stage_piece(snapshot.pending)
+                with clock.time("snapshot"):
+                    snapshot.staged = self._stage_piece(snapshot.pending)
                 snapshot.pending = []
             elif snapshot.pending and self._guard is not None:
                 self._guard.hold()  # weight updates wait until the background copy is done
@@ -308,7 +314,12 @@ class Checkpointer:
 
     @torch.no_grad()
     def _snapshot(
-        self, step: int, decision: Decision, dirty: dict[View, float], started: float
+        self,
+        step: int,
+        decision: Decision,
+        dirty: dict[View, float],
+        started: float,
+        clock: PhaseClock,
     ) -> _Snapshot:
         selected = []
         for shard in self.sharded.writer_shards():
@@ -338,6 +349,7 @@ class Checkpointer:
             taken=taken,
             dense=dense_state,
             rank=dense.detached_copy(dense.rank_state(self.statefuls)),
+            clock=clock,
         )
         units = plan_units(selected, self.config.max_file_rows, self.config.staging_budget_bytes)
         pieces = plan_pieces(units, self.config.staging_budget_bytes)
@@ -369,14 +381,17 @@ class Checkpointer:
             error = snapshot.error
             if error is None and snapshot.pending:
                 try:
-                    snapshot.staged = self._stage_piece(snapshot.pending)
+                    with snapshot.clock.time("snapshot"):
+                        snapshot.staged = self._stage_piece(snapshot.pending)
                 finally:
                     self._release_guard()
             if error is None:
                 error = self._write_rest(snapshot)
-            self.comm.check(_as_save_error(error, step), f"saving step {step}")
-            entries = [e for rank in self.comm.all_gather(snapshot.entries) for e in rank]
-            manifest = self._manifest(snapshot, entries)
+            with snapshot.clock.time("commit"):
+                self.comm.check(_as_save_error(error, step), f"saving step {step}")
+                gathered = self.comm.all_gather((snapshot.entries, snapshot.clock.seconds()))
+            entries = [e for rank_entries, _ in gathered for e in rank_entries]
+            manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
             error = None
             if self.comm.rank == 0:
                 try:
@@ -414,23 +429,32 @@ class Checkpointer:
     def _write_rest(self, snapshot: _Snapshot) -> BaseException | None:
         """Writes the last piece's rows and the dense files; returns the error, if any."""
         step = snapshot.step
+        clock = snapshot.clock
         try:
             snapshot.entries.extend(
                 self.writer.write(step, snapshot.staged, snapshot.decision, self.codec)
             )
+            # write_file's own time, less its write and fsync, is the file's checksum.
             if snapshot.dense is not None:
-                written = self.store.write_file(step, DENSE_FILE, dense.encode_tree(snapshot.dense))
+                with clock.time("encode"):
+                    data = dense.encode_tree(snapshot.dense)
+                with clock.time("hash"):
+                    written = self.store.write_file(step, DENSE_FILE, data)
                 snapshot.entries.append(_entry(written, "dense", self.comm.rank))
-            written = self.store.write_file(
-                step, rank_file(self.comm.rank), dense.encode_tree(snapshot.rank)
-            )
+            with clock.time("encode"):
+                data = dense.encode_tree(snapshot.rank)
+            with clock.time("hash"):
+                written = self.store.write_file(step, rank_file(self.comm.rank), data)
             snapshot.entries.append(_entry(written, "rank", self.comm.rank))
         except Exception as exc:
             return exc
         return None
 
-    def _manifest(self, snapshot: _Snapshot, files: list[FileEntry]) -> Manifest:
+    def _manifest(
+        self, snapshot: _Snapshot, files: list[FileEntry], phases: list[dict[str, float]]
+    ) -> Manifest:
         full = snapshot.decision.kind is Kind.FULL
+        slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
         head = self.head
         total = sum(f.bytes for f in files)
         entry = HistoryEntry(
@@ -454,6 +478,8 @@ class Checkpointer:
                 "touched_fraction": snapshot.touched_fraction,
                 "full_fp32_bytes": self._full_fp32_bytes,
                 "save_seconds": time.perf_counter() - snapshot.started,
+                "phase_seconds": phases[slowest],
+                "phase_rank": slowest,
                 "reason": snapshot.decision.reason,
                 "restores": self.restores,
                 "created_unix": time.time(),

@@ -21,6 +21,7 @@ import pyarrow.fs as pafs
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage import checksum as checksums
 from embckpt.storage.paths import path_problem
+from embckpt.storage.phases import PhaseClock, timed
 
 MANIFEST_NAME = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
@@ -84,6 +85,7 @@ class CheckpointStore:
         self.uri = uri
         self.fsync = fsync
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.clock: PhaseClock | None = None  # set by a saving Checkpointer: write/fsync time
 
     # -- layout ---------------------------------------------------------------------------------
     def step_path(self, step: int, relative: str = "") -> str:
@@ -169,24 +171,28 @@ class CheckpointStore:
         parent = path.rsplit("/", 1)[0]
         if not self.is_local:
             # Object stores publish an object only when its upload completes: no rename needed.
-            self.fs.create_dir(parent, recursive=True)
-            with self.fs.open_output_stream(path) as out:
-                out.write(data)
+            with timed(self.clock, "write"):
+                self.fs.create_dir(parent, recursive=True)
+                with self.fs.open_output_stream(path) as out:
+                    out.write(data)
             return
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as out:
-            out.write(memoryview(data))
+            with timed(self.clock, "write"):
+                out.write(memoryview(data))
             if self.fsync:
-                out.flush()
-                os.fsync(out.fileno())
+                with timed(self.clock, "fsync"):
+                    out.flush()
+                    os.fsync(out.fileno())
         os.replace(tmp, path)
         if self.fsync:
-            dir_fd = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            with timed(self.clock, "fsync"):
+                dir_fd = os.open(parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
 
     # -- reads ----------------------------------------------------------------------------------
     def check_contained(self, step: int, relatives: Iterable[str], manifest_path: str) -> None:

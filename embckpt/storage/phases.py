@@ -1,0 +1,63 @@
+"""Where a save's time goes: seconds per phase, summed over the threads that worked on it.
+
+A save runs its phases on several threads at once (the persist thread, the file writers), so
+each phase's figure is thread-seconds: the sum, over threads, of the wall time spent in it.
+Phases nest (a file write times its checksum, and inside it the write and the fsync); a phase
+counts only its own time, never that of the phases nested inside it, so the figures add up to
+the threads' busy time without double counting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PHASES = ("snapshot", "encode", "hash", "write", "fsync", "commit")
+
+
+class PhaseClock:
+    """Thread-safe seconds per phase of one save; ``reset()`` at the start of each save."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._local = threading.local()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        """Counts the time of the block, less its nested phases, towards ``phase``."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown save phase {phase!r}; phases are {PHASES}")
+        stack: list[float] = self._local.__dict__.setdefault("nested", [])
+        stack.append(0.0)  # seconds of phases nested in this one
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            nested = stack.pop()
+            if stack:
+                stack[-1] += elapsed
+            with self._lock:
+                self._seconds[phase] += elapsed - nested
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase so far, every phase present."""
+        with self._lock:
+            return dict(self._seconds)
+
+
+@contextmanager
+def timed(clock: PhaseClock | None, phase: str) -> Iterator[None]:
+    """``clock.time(phase)``, or nothing when there is no clock (offline writers)."""
+    if clock is None:
+        yield
+    else:
+        with clock.time(phase):
+            yield
