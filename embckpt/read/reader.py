@@ -171,9 +171,17 @@ def plan_reads(chain: Sequence[Manifest], shards: Sequence[TableShard]) -> list[
 
 # -- newest first -------------------------------------------------------------------------------
 def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """``values`` in ``sorted_set`` (ascending, unique), elementwise."""
+    """``values`` (ascending, unique) in ``sorted_set`` (ascending, unique), elementwise."""
     if not len(sorted_set) or not len(values):
         return np.zeros(len(values), dtype=bool)
+    if len(sorted_set) < len(values):  # search the smaller array in the larger (``values``
+        # ascend too): a base's rows against the few its diffs give
+        at = np.searchsorted(values, sorted_set)
+        found = at < len(values)
+        found[found] = values[at[found]] == sorted_set[found]
+        member = np.zeros(len(values), dtype=bool)
+        member[at[found]] = True
+        return member
     at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
     return sorted_set[at] == values
 
@@ -759,7 +767,7 @@ def _apply_row_states(pieces: Sequence[_StatePiece]) -> None:
             for p in group:
                 if not len(p.local_rows):
                     continue
-                values = torch.from_numpy(p.values[name]).to(target.dtype)
+                values = torch.tensor(p.values[name]).to(target.dtype)
                 if target.device.type == "cpu":
                     _numpy(target)[p.local_rows] = _numpy(values)
                 else:
@@ -772,7 +780,7 @@ def _apply_row_states(pieces: Sequence[_StatePiece]) -> None:
         for p in group:
             overlap = float(p.col_hi - p.col_lo)
             rows = torch.from_numpy(p.local_rows)
-            total.index_add_(0, rows, torch.from_numpy(p.values[name]).double() * overlap)
+            total.index_add_(0, rows, torch.tensor(p.values[name]).double() * overlap)
             weight.index_add_(0, rows, torch.full((len(rows),), overlap, dtype=torch.float64))
         held = torch.nonzero(weight > 0).squeeze(1)
         target.index_copy_(0, held.to(target.device), (total[held] / weight[held]).to(target))
