@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import pyarrow as pa
+
 from embckpt.errors import EmbckptError
 from embckpt.report.build import build_report, format_table
 from embckpt.report.projection import format_projection, parse_duration, parse_size, project
@@ -127,6 +129,14 @@ def _directory(args: argparse.Namespace) -> str:
     return directory
 
 
+def _store(directory: str) -> CheckpointStore:
+    """The store of ``directory``; a URI pyarrow cannot open is the user's to fix."""
+    try:
+        return CheckpointStore(directory)
+    except pa.ArrowInvalid as exc:
+        raise UsageError(f"{directory}: {exc}") from None
+
+
 def _output(path: str, what: str) -> str:
     """An output file or folder whose parent folder must already exist."""
     if "://" not in path and not Path(path).absolute().parent.is_dir():
@@ -157,7 +167,7 @@ def _leftovers(store: CheckpointStore, steps: list[int]) -> list[dict[str, Any]]
 # -- commands -----------------------------------------------------------------------------------
 def _inspect(args: argparse.Namespace) -> int:
     directory = _directory(args)
-    store = CheckpointStore(directory)
+    store = _store(directory)
     manifests, problems = load_manifests(store)
     leftovers = store.leftover_steps()
     latest = manifests[max(manifests)] if manifests else None
@@ -235,7 +245,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     directory = _directory(args)
-    store = CheckpointStore(directory)
+    store = _store(directory)
     report = verify(store, args.step)
     if args.json:
         doc = {
@@ -275,7 +285,7 @@ def _report(args: argparse.Namespace) -> int:
     for path, what in ((args.plot, "--plot"), (args.html, "--html")):
         if path is not None:
             _output(path, what)
-    store = CheckpointStore(directory)
+    store = _store(directory)
     report = build_report(store, progress=None if args.progress else False)
     if args.project or args.model_bytes is not None:
         report["projection"] = project(
@@ -310,7 +320,7 @@ def _merge(args: argparse.Namespace) -> int:
     from embckpt.read.merge import merge
 
     directory = _directory(args)
-    store = CheckpointStore(directory)
+    store = _store(directory)
     empty = _empty(args, store, directory)
     if empty is not None:
         return empty
@@ -327,7 +337,7 @@ def _restore(args: argparse.Namespace) -> int:
     from embckpt.read.restore import describe_restore
 
     directory = _directory(args)
-    empty = _empty(args, CheckpointStore(directory), directory)
+    empty = _empty(args, _store(directory), directory)
     if empty is not None:
         return empty
     text, ok = describe_restore(directory, args.step)
@@ -340,7 +350,7 @@ def _export(args: argparse.Namespace) -> int:
 
     directory = _directory(args)
     out = _output(args.out, "output")
-    empty = _empty(args, CheckpointStore(directory), directory)
+    empty = _empty(args, _store(directory), directory)
     if empty is not None:
         return empty
     if args.to == "dcp":
@@ -358,6 +368,7 @@ def _unlock(args: argparse.Namespace) -> int:
     from embckpt.storage.lock import unlock
 
     directory = _directory(args)
+    _store(directory)  # an unknown URI scheme is a usage error, not a traceback
     holder = unlock(directory)
     print(f"{directory}: " + (f"removed the lock of {holder}" if holder else "no lock"))
     return 0

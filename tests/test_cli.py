@@ -144,6 +144,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
         ("report", str(empty), "--touch-rate", "2"): "must be in (0, 1]",
         ("report", str(empty), "--interval", "soon"): "is not a duration",
         ("verify", str(empty), "--step", "-3"): "must be >= 0",
+        ("verify", "nosuchscheme://bucket/ckpts"): "nosuchscheme://bucket/ckpts",
+        ("unlock", str(a_file)): "is not a directory",
     }
     for argv, message in cases.items():
         assert _exit_code(list(argv)) == 2, argv
