@@ -149,7 +149,8 @@ def measure(codec_id: str, options: dict[str, Any], rows: torch.Tensor, reps: in
 
 def _column_bytes(data: pa.Buffer, name: str) -> int:
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    index = meta.schema.names.index(name)
+    paths = [meta.schema.column(i).path for i in range(len(meta.schema))]
+    index = next(i for i, p in enumerate(paths) if p == name or p.startswith(f"{name}.list."))
     return sum(
         meta.row_group(g).column(index).total_compressed_size for g in range(meta.num_row_groups)
     )

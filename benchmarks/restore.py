@@ -5,7 +5,8 @@ For each world size W in ``--worlds`` (default 1, 2, 4), W gloo ranks train the 
 ``configs/bench_spine.yaml`` (row-wise Adagrad; the spine plan made valid for W), write a full
 checkpoint and then 5 incremental diffs (a chain of 6, lossless), and save the same model,
 fused optimizer and dense optimizer state with ``dcp.save``. Then, into the live model, they
-time (median of ``--repeats``, slowest rank):
+time (slowest rank; median, min and max of ``--repeats`` rounds, each round running the three
+in turn so that their ratios come from one run; restores also per phase):
 
 * ``full``  - restoring the full checkpoint;
 * ``chain`` - restoring the last diff (full + 5 diffs applied in order);
@@ -78,18 +79,23 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> list[dict[str, Any]]:
-    """Runs ``fn`` ``repeats`` times between barriers; seconds and read bytes of each run."""
+def _interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Runs each of ``fns`` once per round, ``repeats`` rounds (full, chain, dcp, full, ...),
+    between barriers, so that their ratios come from the same moments of one run; seconds and
+    read bytes of each run."""
     import torch.distributed as dist
 
-    runs = []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in fns}
     for _ in range(repeats):
-        dist.barrier()
-        chars, started = _rchar(), time.perf_counter()
-        value = fn()
-        seconds = time.perf_counter() - started
-        runs.append({"seconds": seconds, "rchar": _rchar() - chars, "value": value})
-        dist.barrier()
+        for name, fn in fns.items():
+            dist.barrier()
+            chars, started = _rchar(), time.perf_counter()
+            value = fn()
+            seconds = time.perf_counter() - started
+            runs[name].append({"seconds": seconds, "rchar": _rchar() - chars, "value": value})
+            dist.barrier()
     return runs
 
 
@@ -104,6 +110,7 @@ def _restore_stats(result: Any) -> dict[str, Any]:
         "files": cost.files,
         "other_bytes": cost.other_bytes,
         "stage_s": result.stage_seconds,
+        "phases": dict(result.phases),
     }
 
 
@@ -160,11 +167,14 @@ def _worker(
             dcp.load(state, checkpoint_id=dcp_dir)
             optimizer.load_state_dict(state["dense_optim"])
 
-        out: dict[str, Any] = {
-            "full": _timed(lambda: _restore_stats(ckpt.load(full, threads=threads)), repeats),
-            "chain": _timed(lambda: _restore_stats(ckpt.load(last, threads=threads)), repeats),
-            "dcp": _timed(dcp_load, repeats),
-        }
+        out: dict[str, Any] = _interleaved(
+            {
+                "full": lambda: _restore_stats(ckpt.load(full, threads=threads)),
+                "chain": lambda: _restore_stats(ckpt.load(last, threads=threads)),
+                "dcp": dcp_load,
+            },
+            repeats,
+        )
     if rank == 0:
         out["embckpt_chain_bytes"] = _dir_bytes(Path(directory))
         out["embckpt_full_bytes"] = _dir_bytes(Path(directory) / f"step_{full:012d}")
@@ -177,29 +187,40 @@ def _worker(
         other = dataclasses.replace(cfg.workload, sharding=_sharding(world_size, True))
         model, optimizer = build_model(other, device, world_size)
         with Checkpointer(model, source, optimizer=optimizer, config=config) as ckpt:
-            out["resharded_chain"] = _timed(
-                lambda: _restore_stats(ckpt.load(steps[-1], threads=threads)),
+            resharded = _interleaved(
+                {
+                    "resharded_chain": lambda: _restore_stats(
+                        ckpt.load(steps[-1], threads=threads)
+                    ),
+                    "resharded_full": lambda: _restore_stats(ckpt.load(steps[0], threads=threads)),
+                },
                 repeats,
             )
-            out["resharded_full"] = _timed(
-                lambda: _restore_stats(ckpt.load(steps[0], threads=threads)),
-                repeats,
-            )
+            out.update(resharded)
     return out
 
 
 def _summarise(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Median over repeats of the slowest rank; bytes of each rank."""
+    """Median and spread over repeats of the slowest rank; bytes of each rank; restores: the
+    median over repeats of each phase's slowest rank."""
     repeats = len(results[0][key])
     seconds = [max(r[key][i]["seconds"] for r in results) for i in range(repeats)]
     summary: dict[str, Any] = {
         "seconds": statistics.median(seconds),
+        "seconds_min_max": [min(seconds), max(seconds)],
         "seconds_each_repeat": seconds,
         "rchar_per_rank": [r[key][0]["rchar"] for r in results],
     }
     value = results[0][key][0]["value"]
     if value is not None:
         per_rank = [r[key][0]["value"] for r in results]
+        summary["phases"] = {
+            phase: statistics.median(
+                max(r[key][i]["value"]["phases"].get(phase, 0.0) for r in results)
+                for i in range(repeats)
+            )
+            for phase in value["phases"]
+        }
         summary.update(
             chain=value["chain"],
             bytes_read_per_rank=[v["bytes_read"] for v in per_rank],
@@ -281,6 +302,10 @@ def main() -> None:
         "resharded_vs_same_plan_chain": {
             k: r["chain"]["seconds"] / r["same_plan_chain_s"] for k, r in resharded.items()
         },
+        "full_vs_dcp": main_run["full"]["seconds"] / main_run["dcp"]["seconds"],
+        "chain_vs_dcp": main_run["chain"]["seconds"] / main_run["dcp"]["seconds"],
+        "full_phases_s": main_run["full"]["phases"],
+        "chain_phases_s": main_run["chain"]["phases"],
     }
     path = write_result(
         "restore",
@@ -291,7 +316,10 @@ def main() -> None:
                 "row_group_rows": ROW_GROUP_ROWS,
                 "threads_per_rank": args.threads or "default: cores / local ranks, 1 to 8",
                 "repeats": args.repeats,
-                "seconds": "median over repeats of the slowest rank, barrier to barrier",
+                "seconds": "median (and min, max) over repeats of the slowest rank, barrier "
+                "to barrier; repeats interleaved (full, chain, dcp, full, ...)",
+                "phases": "RestoreResult.phases: busy seconds of plan, fetch, verify, decode, "
+                "apply summed over a rank's threads; median over repeats of the slowest rank",
                 "cache": "warm page cache for both embckpt and DCP (files written just before)",
                 "rchar": "read-syscall bytes; embckpt memory-maps rows files, so its rchar "
                 "leaves them out: see bytes_read_per_rank",

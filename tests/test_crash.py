@@ -44,8 +44,8 @@ def _arm(ckpt, point: str, nth: int) -> None:
         ckpt._stage_piece = staged
     elif point == "between_files":
 
-        def after_file(step, relative, data):
-            written = write_file(step, relative, data)
+        def after_file(step, relative, data, *checksum):
+            written = write_file(step, relative, data, *checksum)
             if hit():
                 _die()
             return written

@@ -46,11 +46,11 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     real_write = ckpt.store.write_file
     calls = {"n": 0}
 
-    def failing_write(step, relative, data):
+    def failing_write(step, relative, data, *checksum):
         calls["n"] += 1
         if rank == 1 and calls["n"] == 2:
             raise OSError("injected: disk went away")
-        return real_write(step, relative, data)
+        return real_write(step, relative, data, *checksum)
 
     ckpt.store.write_file = failing_write
     out["failed_save"] = _error(lambda: ckpt.save(15).wait())

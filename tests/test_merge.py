@@ -227,8 +227,8 @@ def _merge_and_die(directory: str, step: int, point: str, nth: int) -> None:
 
     write_file, write_atomic = store.write_file, store.write_atomic
 
-    def file_then_die(step: int, relative: str, data: Any) -> Any:
-        written = write_file(step, relative, data)
+    def file_then_die(step: int, relative: str, data: Any, *checksum: Any) -> Any:
+        written = write_file(step, relative, data, *checksum)
         if point == "file" and hit():
             os.kill(os.getpid(), signal.SIGKILL)
         return written

@@ -20,9 +20,9 @@ from embckpt.save.staging import StagingArena
 def _slow_writes(ckpt, seconds: float) -> None:
     real = ckpt.store.write_file
 
-    def slow(step, relative, data):
+    def slow(step, relative, data, *checksum):
         time.sleep(seconds)
-        return real(step, relative, data)
+        return real(step, relative, data, *checksum)
 
     ckpt.store.write_file = slow
 

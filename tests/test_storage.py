@@ -193,7 +193,7 @@ def test_unknown_codec_and_newer_version_are_refused() -> None:
     with pytest.raises(UnknownCodecError, match="unknown codec 'zzz'"):
         make_codec("zzz")
     with pytest.raises(UnknownCodecError, match="newer"):
-        codec_from_config({"id": "raw", "version": 2})
+        codec_from_config({"id": "raw", "version": 3})
 
 
 def test_demo_config_loads_and_unknown_keys_fail(tmp_path: Path) -> None:

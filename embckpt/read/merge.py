@@ -96,7 +96,9 @@ def _compression(data: pa.Buffer) -> dict[str, str]:
     found = {}
     for i in range(group.num_columns):
         codec = group.column(i).compression.lower()
-        found[group.column(i).path_in_schema] = "none" if codec == "uncompressed" else codec
+        # A float list's options are its values' (``payload.list.element``): keyed by column.
+        name = group.column(i).path_in_schema.removesuffix(".list.element")
+        found[name] = "none" if codec == "uncompressed" else codec
     return found
 
 

@@ -4,8 +4,9 @@ Columns: ``row`` (int64 global row id, the only column with statistics, so a rea
 row range from row-group statistics alone), the codec's columns (``payload`` and any per-row
 parameters), and ``state.<name>`` for each optimizer state. The file's key-value metadata
 ``embckpt`` holds the codec config and the block's shape. Encodings: no dictionary (row payloads
-never repeat), delta-coded row ids, plain payload, no generic compression unless the codec asks
-for it; pyarrow's defaults measured about 5x slower to write on such files.
+never repeat), delta-coded row ids, BYTE_STREAM_SPLIT float lists (``raw``, ``fp16``, ``bf16``
+payloads and element-wise optimizer state), plain for the rest, no generic compression unless
+the codec asks for it; pyarrow's defaults measured about 5x slower to write on such files.
 
 Partial reads: :func:`index_file` records, at write time, the byte range and CRC32C of every
 row group and of the footer (the manifest keeps them, see ``FileIndex``), and combines them into
@@ -79,14 +80,17 @@ def encode_file(
     table = pa.table(columns).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
     compression = {name: "none" for name in columns}
     compression.update(encoded.compression)
+    for name, state in elem_states.items():
+        compression.update(
+            {f"{ELEM_STATE_PREFIX}{name}.{col}": c for col, c in state.compression.items()}
+        )
+    compression = {_leaf(n, table.schema.field(n).type): c for n, c in compression.items()}
     options: dict[str, Any] = {
         "row_group_size": row_group_rows,
         "compression": compression,
         "use_dictionary": False,
         "write_statistics": [ROW_COLUMN],
-        "column_encoding": {
-            name: _encoding(name, table.schema.field(name).type) for name in columns
-        },
+        "column_encoding": {_leaf(f.name, f.type): _encoding(f.name, f.type) for f in table.schema},
     }
     # Written into one buffer sized from the columns (a growing stream reallocates and copies
     # the file several times over: about 1.6x slower). The file is rarely larger than its
@@ -110,14 +114,23 @@ def encode_file(
 
 
 def _encoding(name: str, type_: pa.DataType) -> str:
-    """Parquet encoding of a column: delta-coded row ids; for variable-length codec columns
-    (Huffman-coded rows) delta-coded lengths, about a byte per row instead of PLAIN's four;
-    PLAIN for the rest."""
+    """Parquet encoding of a column: delta-coded row ids; for rows of floats (``raw``, ``fp16``,
+    ``bf16``) BYTE_STREAM_SPLIT, byte k of every value together, so the entropy stage sees
+    the exponent bytes apart from the noisy low mantissa bytes (17% smaller with zstd on trained
+    fp32 rows, 1% without the split); for variable-length codec columns (Huffman-coded rows)
+    delta-coded lengths, about a byte per row instead of PLAIN's four; PLAIN for the rest."""
     if name == ROW_COLUMN:
         return "DELTA_BINARY_PACKED"
+    if pa.types.is_fixed_size_list(type_) and pa.types.is_floating(type_.value_type):
+        return "BYTE_STREAM_SPLIT"
     if pa.types.is_binary(type_) or pa.types.is_large_binary(type_):
         return "DELTA_LENGTH_BYTE_ARRAY"
     return "PLAIN"
+
+
+def _leaf(name: str, type_: pa.DataType) -> str:
+    """The Parquet column path that per-column write options name: a list column's values."""
+    return f"{name}.list.element" if pa.types.is_fixed_size_list(type_) else name
 
 
 def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBlock:
