@@ -39,7 +39,7 @@ from embckpt import dense
 from embckpt.codecs import Codec, make_codec
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig, codec_for
-from embckpt.errors import SaveError
+from embckpt.errors import ConfigError, SaveError
 from embckpt.interval import AdaptiveInterval, IntervalMeasurements, IterationClock
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores, make_policy
 from embckpt.read.reader import default_threads
@@ -112,11 +112,17 @@ class Checkpointer:
     Args:
         model: the DMP model.
         directory: local path or ``pyarrow.fs`` URI; created if missing.
-        optimizer: the dense optimizer (the fused embedding optimizer is found on the model).
+        optimizer: the dense optimizer (a torch optimizer or TorchRec ``KeyedOptimizer``), or
+            a ``CombinedOptimizer`` that also holds ``dmp.fused_optimizer`` (whose state is
+            saved with the tables' rows either way).
         config: how to checkpoint; defaults to :class:`CheckpointConfig`'s defaults.
         statefuls: extra per-rank state saved with every checkpoint (data iterator, schedulers).
         filesystem: a configured ``pyarrow.fs.FileSystem`` (endpoint, retry strategy,
             credentials); ``directory`` is then the path inside it.
+
+    Raises:
+        ConfigError: the optimizer or a stateful cannot be saved and restored (the message says
+            what to pass).
     """
 
     def __init__(
@@ -129,6 +135,16 @@ class Checkpointer:
         statefuls: Mapping[str, dense.Stateful] | None = None,
         filesystem: pafs.FileSystem | None = None,
     ) -> None:
+        dense.optimizer_parts(optimizer, model)  # refuses what could not be saved or restored
+        for name, obj in (statefuls or {}).items():
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise ConfigError(
+                    f"stateful {name!r}: a {type(obj).__name__} has no state_dict() and "
+                    "load_state_dict(); pass objects that have both (e.g. ResumableSampler)"
+                )
         self.model = model
         self.optimizer = optimizer
         self.config = config or CheckpointConfig()
