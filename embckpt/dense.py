@@ -1,7 +1,10 @@
 """Dense modules, the dense optimizer, RNG and data-iterator state: capture, encode, apply.
 
 Everything that is not an embedding table is small next to the tables and is saved whole at
-every checkpoint. Nested state (optimizer state dicts, RNG tuples, iterator dicts) is flattened
+every checkpoint. The optimizer a user passes may be a torch optimizer, a TorchRec
+``KeyedOptimizer`` or a ``CombinedOptimizer`` that also holds the DMP's fused embedding
+optimizer: :func:`optimizer_parts` keeps only the dense parts (the fused state is saved row by
+row with the tables). Nested state (optimizer state dicts, RNG tuples, iterator dicts) is flattened
 into a safetensors file: tensors as tensors, the structure as tagged JSON in the file's header.
 Loading never unpickles anything, so a checkpoint cannot run code.
 """
@@ -17,6 +20,11 @@ import numpy as np
 import safetensors.torch
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+
+from embckpt.errors import ConfigError
 
 _STRUCT_KEY = "embckpt.structure"
 
@@ -91,7 +99,7 @@ def dense_state(
     and the fused optimizer's per-table scalars (e.g. Adam's step)."""
     return {
         "model": {k: v for k, v in model.state_dict().items() if k not in skip_keys},
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer_state(optimizer_parts(optimizer, model)),
         "fused_scalars": dict(scalar_states),
     }
 
@@ -106,23 +114,6 @@ def rank_state(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return {"rng": rng, "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()}}
-
-
-@torch.no_grad()
-def apply_dense_state(
-    state: Mapping[str, Any],
-    model: nn.Module,
-    optimizer: Any | None,
-    scalar_states: Mapping[str, torch.Tensor],
-) -> None:
-    """Loads a :func:`dense_state` into the live model and optimizer, in place."""
-    live = model.state_dict()
-    for key, value in state["model"].items():
-        live[key].copy_(value)
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    for key, value in state["fused_scalars"].items():
-        scalar_states[key].copy_(value)
 
 
 def apply_rank_state(state: Mapping[str, Any], statefuls: Mapping[str, Stateful]) -> None:
@@ -149,3 +140,144 @@ def detached_copy(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(detached_copy(v) for v in tree)
     return tree
+
+
+_WHAT_TO_PASS = (
+    "pass the dense optimizer (a torch optimizer or torchrec KeyedOptimizerWrapper over "
+    "in_backward_optimizer_filter(dmp.named_parameters())), or "
+    "CombinedOptimizer([dmp.fused_optimizer, dense_optimizer])"
+)
+
+
+def optimizer_parts(optimizer: Any | None, model: nn.Module) -> list[tuple[str, Any]]:
+    """The parts of ``optimizer`` saved through the dense path, named, in order.
+
+    A ``CombinedOptimizer`` is split (recursively); its fused embedding parts (those of
+    ``model.fused_optimizer``, or any part over sharded tensors) are left out, because their
+    state is saved row by row with the tables.
+
+    Raises:
+        ConfigError: a part is not an optimizer, mixes table and dense parameters, or updates
+            parameters that are not the model's; the message says what to pass instead.
+    """
+    if optimizer is None:
+        return []
+    fused_ids = {id(leaf) for _, leaf in _leaves(getattr(model, "fused_optimizer", None), "")}
+    model_params = {id(p) for p in model.parameters()}
+    parts = []
+    for name, leaf in _leaves(optimizer, ""):
+        where = f"optimizer part {name!r} ({type(leaf).__name__})" if name else "optimizer"
+        missing = [
+            attr
+            for attr in ("state_dict", "load_state_dict", "step")
+            if not callable(getattr(leaf, attr, None))
+        ]
+        if missing or not hasattr(leaf, "param_groups") or not hasattr(leaf, "state"):
+            raise ConfigError(
+                f"{where}: a {type(leaf).__name__} is not an optimizer (no "
+                f"{', '.join(missing) or 'param_groups/state'}); {_WHAT_TO_PASS}"
+            )
+        if id(leaf) in fused_ids:
+            continue
+        params = [p for group in leaf.param_groups for p in group["params"]]
+        sharded = [isinstance(p, (ShardedTensor, DTensor)) for p in params]
+        if params and all(sharded):
+            continue  # a fused embedding optimizer built outside this model's DMP
+        if any(sharded):
+            raise ConfigError(
+                f"{where} mixes sharded table parameters with dense ones; {_WHAT_TO_PASS}"
+            )
+        if any(id(p) not in model_params for p in params):
+            raise ConfigError(
+                f"{where} updates parameters that are not the model's (another model's "
+                f"optimizer?); {_WHAT_TO_PASS}"
+            )
+        parts.append((name, leaf))
+    return parts
+
+
+def _leaves(optimizer: Any | None, prefix: str) -> list[tuple[str, Any]]:
+    if optimizer is None:
+        return []
+    if not isinstance(optimizer, CombinedOptimizer):
+        return [(prefix, optimizer)]
+    out = []
+    for index, (key, inner) in enumerate(optimizer.optimizers):
+        name = key or str(index)
+        out.extend(_leaves(inner, f"{prefix}.{name}" if prefix else name))
+    return out
+
+
+def optimizer_state(parts: list[tuple[str, Any]]) -> Any:
+    """What the dense file holds for the optimizer: None, one part's ``state_dict`` (the same
+    whether it was passed alone or inside a ``CombinedOptimizer``), or every part's by name."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0][1].state_dict()
+    return {"parts": [[name, opt.state_dict()] for name, opt in parts]}
+
+
+def split_optimizer_state(parts: list[tuple[str, Any]], saved: Any) -> list[tuple[Any, Any]]:
+    """Pairs each live part with its saved state (inverse of :func:`optimizer_state`).
+
+    Raises:
+        ConfigError: the saved state holds other parts than the live optimizer.
+    """
+    if not parts or saved is None:
+        return []
+    if len(parts) == 1 and "parts" not in saved:
+        return [(parts[0][1], saved)]
+    saved_parts = saved.get("parts") if isinstance(saved, Mapping) else None
+    saved_names = [name for name, _ in saved_parts] if saved_parts is not None else ["(one)"]
+    live_names = [name for name, _ in parts]
+    if saved_parts is None or saved_names != live_names:
+        raise ConfigError(
+            f"dense optimizer parts: the checkpoint has {saved_names}, the live optimizer "
+            f"{live_names}"
+        )
+    return [(opt, state) for (_, opt), (_, state) in zip(parts, saved_parts, strict=True)]
+
+
+def param_keys(optimizer: Any) -> dict[Any, torch.Tensor]:
+    """The keys the optimizer's ``state_dict`` uses for its parameters: names for a TorchRec
+    ``KeyedOptimizer``, running indices for a torch optimizer."""
+    if isinstance(optimizer, KeyedOptimizer):
+        return dict(optimizer.params.items())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return dict(enumerate(params))
+
+
+@torch.no_grad()
+def create_missing_state(optimizer: Any, keys: set[Any]) -> None:
+    """Gives a ``KeyedOptimizer`` state for exactly the parameters ``keys`` before a load (it
+    refuses to load into state that does not exist yet, e.g. Adam's before its first step).
+
+    The state is created by a step on zero gradients, after which every parameter and gradient
+    is put back bit for bit: unlike ``KeyedOptimizer.init_state``, nothing the optimizer
+    updates (weight decay, momentum) is left changed. Torch optimizers load any state as is.
+    """
+    if not isinstance(optimizer, KeyedOptimizer):
+        return
+    by_key = param_keys(optimizer)
+    state = optimizer.state
+    for key, param in by_key.items():
+        if key not in keys and param in state:
+            del state[param]  # the writer had no state for it either
+    missing = [by_key[k] for k in keys if k in by_key and not state.get(by_key[k])]
+    if not missing:
+        return
+    params = list(by_key.values())
+    grads = [p.grad for p in params]
+    values = [p.detach().clone() for p in missing]
+    try:
+        for p in params:
+            p.grad = None  # torch optimizers skip parameters without gradients
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for p, value in zip(missing, values, strict=True):
+            p.copy_(value)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad

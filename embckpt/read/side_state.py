@@ -1,18 +1,32 @@
 """The non-table part of a restore: the dense model and optimizer state, RNG streams and
-stateful objects. Read and checked with the rows (before anything is loaded), applied by
-:func:`embckpt.read.restore.restore_checkpoint` before the rows."""
+stateful objects.
+
+Read and checked with the rows, before anything is loaded (dense keys and shapes, the dense
+optimizer's parts, groups and state shapes, the statefuls' keys); applied by
+:func:`embckpt.read.restore.restore_checkpoint` before the rows. Applying runs user code
+(optimizer and stateful ``load_state_dict``) that may still fail: every rank keeps copies of
+what it overwrites (all of it small), the ranks agree, and if any rank failed every rank puts
+its copies back and raises, so a failed restore changes nothing.
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torchrec.optim.keyed import KeyedOptimizer
+
 from embckpt import dense
-from embckpt.errors import CheckpointCorruptError, EmbckptError, ModelMismatchError
+from embckpt.errors import CheckpointCorruptError, ConfigError, EmbckptError, ModelMismatchError
 from embckpt.read.reader import ReadCost
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.fs import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,9 +37,17 @@ class SideState:
     rank: dict[str, Any] | None = None  # this rank's own file, same world size
     statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
     skipped: list[str] = field(default_factory=list)
+    dense_path: str = ""
 
 
 def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> SideState:
+    """Reads the dense and per-rank files of ``head`` and checks them against the live model,
+    optimizer and statefuls.
+
+    Raises:
+        CheckpointCorruptError: a file is missing or damaged.
+        ModelMismatchError: the live model, optimizer or statefuls would refuse the state.
+    """
     store, comm = into.store, into.comm
     manifest_path = store.step_path(head.step, MANIFEST_NAME)
     dense_entry = next((f for f in head.files if f.role == "dense"), None)
@@ -33,8 +55,9 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
         raise CheckpointCorruptError(manifest_path, "lists no dense file")
     raw = store.read_checked(head.step, dense_entry.written)
     cost.other_bytes += raw.size
-    side = SideState(dense=dense.decode_tree(raw.to_pybytes()))
-    check_dense(into, side.dense, store.step_path(head.step, dense_entry.path))
+    dense_path = store.step_path(head.step, dense_entry.path)
+    side = SideState(dense=dense.decode_tree(raw.to_pybytes()), dense_path=dense_path)
+    check_dense(into, side.dense, dense_path)
     rank_files = sorted((f for f in head.files if f.role == "rank"), key=lambda f: f.rank)
     if head.world_size == comm.world_size:
         own = next((f for f in rank_files if f.rank == comm.rank), None)
@@ -43,6 +66,13 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
         raw = store.read_checked(head.step, own.written)
         cost.other_bytes += raw.size
         side.rank = dense.decode_tree(raw.to_pybytes())
+        saved = side.rank["statefuls"]
+        absent = sorted(set(into.statefuls) - set(saved))
+        if absent:
+            raise ModelMismatchError(
+                f"statefuls {absent}: not in checkpoint {store.step_path(head.step, own.path)} "
+                f"(it holds {sorted(saved)})"
+            )
         return side
     side.skipped.append(
         f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
@@ -53,15 +83,17 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
         cost.other_bytes += raw.size
         states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
     for name in into.statefuls:
-        saved = [s.get(name) for s in states]
-        if not saved or any(s is None for s in saved):
+        saved_states = [s.get(name) for s in states]
+        if not saved_states or any(s is None for s in saved_states):
             side.skipped.append(f"stateful {name!r}: not in every rank's file of step {head.step}")
-        elif any(dense.encode_tree(s) != dense.encode_tree(saved[0]) for s in saved[1:]):
+        elif any(
+            dense.encode_tree(s) != dense.encode_tree(saved_states[0]) for s in saved_states[1:]
+        ):
             side.skipped.append(
                 f"stateful {name!r}: differs between the {head.world_size} writing ranks"
             )
         else:
-            side.statefuls[name] = saved[0]
+            side.statefuls[name] = saved_states[0]
     return side
 
 
@@ -76,30 +108,165 @@ def check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:
                 f"dense entry {key}: checkpoint {path} has shape {tuple(value.shape)}, the "
                 f"model {found}"
             )
-    saved = state["optimizer"]
-    if into.optimizer is None or saved is None:
-        return
-    have = [len(g["params"]) for g in into.optimizer.state_dict().get("param_groups", [])]
-    want = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if have != want:
+    for optimizer, saved in _optimizer_pairs(into, state, path):
+        check_optimizer(optimizer, saved, path)
+
+
+def _optimizer_pairs(into: RestoreTarget, state: dict[str, Any], path: str) -> list[tuple]:
+    try:
+        parts = dense.optimizer_parts(into.optimizer, into.model)
+        return dense.split_optimizer_state(parts, state["optimizer"])
+    except ConfigError as exc:
+        raise ModelMismatchError(f"checkpoint {path}: {exc}") from exc
+
+
+def check_optimizer(optimizer: Any, saved: dict[str, Any], path: str) -> None:
+    """Refuses a saved optimizer state whose parameters, groups or state shapes differ from
+    the live optimizer's (compared with its state where it has some, else its parameters)."""
+    where = f"dense optimizer ({type(optimizer).__name__}): checkpoint {path}"
+    params = dense.param_keys(optimizer)
+    unknown = sorted(map(str, set(saved.get("state", {})) - set(params)))
+    if unknown:
         raise ModelMismatchError(
-            f"dense optimizer: checkpoint {path} has parameter groups of {want} parameters, "
-            f"the model's optimizer {have} (did a table change to or from data-parallel?)"
+            f"{where} has state for parameters {unknown[:5]} the live optimizer does not have"
         )
+    if "param_groups" in saved:
+        # Keyed optimizers name their parameters; torch optimizers number them in order.
+        if isinstance(optimizer, KeyedOptimizer):
+            key_of = {id(p): k for k, p in params.items()}
+            have: list = sorted(
+                sorted(key_of[id(p)] for p in g["params"]) for g in optimizer.param_groups
+            )
+            want: list = sorted(sorted(g["params"]) for g in saved["param_groups"])
+        else:
+            have = [len(g["params"]) for g in optimizer.param_groups]
+            want = [len(g["params"]) for g in saved["param_groups"]]
+        if have != want:
+            raise ModelMismatchError(
+                f"{where} has parameter groups {want}, the live optimizer {have} (did a "
+                "table change to or from data-parallel?)"
+            )
+    for key, entries in saved.get("state", {}).items():
+        param = params[key]
+        live_state = optimizer.state.get(param) or {}
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            live_value = live_state.get(name)
+            expected = live_value.shape if isinstance(live_value, torch.Tensor) else param.shape
+            if tuple(value.shape) != tuple(expected):
+                raise ModelMismatchError(
+                    f"{where}: state {name!r} of parameter {key} has shape "
+                    f"{tuple(value.shape)}, the live one {tuple(expected)}"
+                )
+
+
+@dataclass
+class _Prior:
+    """Copies of everything :func:`apply_side_state` overwrites, to put back on failure."""
+
+    model: dict[str, torch.Tensor]
+    scalars: dict[str, torch.Tensor]
+    optimizers: list[tuple[Any, dict[Any, Any], list[dict[str, Any]]]]
+    rank: dict[str, Any]  # RNG streams
+    statefuls: dict[str, Any]
 
 
 def apply_side_state(into: RestoreTarget, side: SideState) -> None:
+    """Loads the side state on every rank (collective), or, if it fails on any rank, leaves
+    the model, optimizers, RNG and statefuls of every rank as they were and raises.
+
+    Raises:
+        ModelMismatchError: the live optimizer refused its state after creating it.
+        RankError: another rank failed; its reason is quoted. Whatever a stateful's or an
+            optimizer's ``load_state_dict`` raised is re-raised on its own rank.
+    """
     state = dict(side.dense)
     # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
     state["fused_scalars"] = {
         k: v for k, v in state["fused_scalars"].items() if k in into.sharded.scalar_states
     }
-    dense.apply_dense_state(state, into.model, into.optimizer, into.sharded.scalar_states)
+    pairs = _optimizer_pairs(into, state, side.dense_path)
+    loading = into.statefuls if side.rank is not None else side.statefuls
+    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading))
+    error: Exception | None = None
+    try:
+        try:
+            _apply(into, side, state, pairs)
+        except Exception as exc:  # gathered below, so that every rank rolls back
+            error = exc
+        into.comm.check(error, "restoring the dense state, RNG and statefuls")
+    except BaseException:
+        _roll_back(into, prior)
+        raise
+
+
+@torch.no_grad()
+def _apply(into: RestoreTarget, side: SideState, state: dict[str, Any], pairs: list) -> None:
+    live = into.model.state_dict()
+    for key, value in state["model"].items():
+        live[key].copy_(value)
+    for key, value in state["fused_scalars"].items():
+        into.sharded.scalar_states[key].copy_(value)
+    for optimizer, saved in pairs:
+        dense.create_missing_state(optimizer, set(saved.get("state", {})))
+        check_optimizer(optimizer, saved, side.dense_path)
+        optimizer.load_state_dict(saved)
     if side.rank is not None:
         dense.apply_rank_state(side.rank, into.statefuls)
         return
-    for name, saved in side.statefuls.items():
+    for name, saved_state in side.statefuls.items():
         try:
-            into.statefuls[name].load_state_dict(saved)
+            into.statefuls[name].load_state_dict(saved_state)
         except (EmbckptError, ValueError, KeyError, TypeError) as exc:
             side.skipped.append(f"stateful {name!r}: refused writer rank 0's state: {exc}")
+
+
+def _capture(
+    into: RestoreTarget, state: dict[str, Any], optimizers: list[Any], statefuls: list[str]
+) -> _Prior:
+    live = into.model.state_dict()
+    return _Prior(
+        model={k: live[k].detach().clone() for k in state["model"]},
+        scalars={k: into.sharded.scalar_states[k].clone() for k in state["fused_scalars"]},
+        optimizers=[
+            (
+                opt,
+                {p: dense.detached_copy(dict(s)) for p, s in opt.state.items()},
+                [
+                    {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                    for g in opt.param_groups
+                ],
+            )
+            for opt in optimizers
+        ],
+        rank=dense.detached_copy(dense.rank_state({})),
+        statefuls={
+            name: dense.detached_copy(into.statefuls[name].state_dict()) for name in statefuls
+        },
+    )
+
+
+@torch.no_grad()
+def _roll_back(into: RestoreTarget, prior: _Prior) -> None:
+    live = into.model.state_dict()
+    for key, value in prior.model.items():
+        live[key].copy_(value)
+    for key, value in prior.scalars.items():
+        into.sharded.scalar_states[key].copy_(value)
+    for optimizer, saved_state, groups in prior.optimizers:
+        current = optimizer.state
+        for param in [p for p in current if p not in saved_state]:
+            del current[param]
+        for param, entries in saved_state.items():
+            current[param] = dense.detached_copy(entries)
+        for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+            for key in [k for k in group if k != "params" and k not in saved_group]:
+                del group[key]
+            group.update(copy.deepcopy(saved_group))
+    dense.apply_rank_state(prior.rank, {})
+    for name, saved in prior.statefuls.items():
+        try:
+            into.statefuls[name].load_state_dict(saved)
+        except Exception as exc:  # the first failure is the one raised; this one is logged
+            log.warning("restore failed; stateful %r refused its prior state too: %s", name, exc)

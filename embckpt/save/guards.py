@@ -4,8 +4,9 @@ With full pipelining the rows of a checkpoint are copied while the next iteratio
 Reads are harmless; writes are not. Weights change in exactly two places: the fused embedding
 kernels' backward (weights and their optimizer state, in place) and the dense optimizer's step.
 A forward hook on every embedding kernel attaches a gradient hook to its output that waits for
-the copy (gradient hooks run before the kernel's backward consumes the gradient), and the dense
-optimizer's ``step`` waits too.
+the copy (gradient hooks run before the kernel's backward consumes the gradient), and the
+``step`` of every dense optimizer part waits too (each part of a ``CombinedOptimizer``, so a
+step through the combined optimizer or through the part itself is held alike).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from embckpt import dense
 from embckpt.tracking import batched_embedding_modules
 
 
@@ -24,7 +26,7 @@ class UpdateGuard:
 
     Args:
         model: the DMP model whose embedding kernels are hooked.
-        optimizer: the dense optimizer, or None.
+        optimizer: the optimizer passed to the ``Checkpointer``, or None.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any | None) -> None:
@@ -34,13 +36,19 @@ class UpdateGuard:
             batched.emb_module.register_forward_hook(self._guard_output)
             for batched in batched_embedding_modules(model)
         ]
-        self._optimizer = optimizer
-        self._original_step = None
-        if optimizer is not None:
-            # Step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which delegates
-            # step() to an inner optimizer: wrap this instance's step instead.
-            self._original_step = optimizer.step
-            optimizer.step = self._guarded_step
+        # Step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which delegates
+        # step() to an inner optimizer: wrap each part's own step instead.
+        self._wrapped: list[tuple[Any, Any]] = []  # (part, its own instance step or None)
+        for _, part in dense.optimizer_parts(optimizer, model):
+            self._wrapped.append((part, vars(part).get("step")))
+            part.step = self._wrap(part.step)
+
+    def _wrap(self, step: Any) -> Any:
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            self._released.wait()
+            return step(*args, **kwargs)
+
+        return guarded_step
 
     def hold(self) -> None:
         self._released.clear()
@@ -60,17 +68,15 @@ class UpdateGuard:
         self._released.wait()
         return grad
 
-    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._released.wait()
-        assert self._original_step is not None
-        return self._original_step(*args, **kwargs)
-
     def close(self) -> None:
         """Removes every hook and restores the optimizer's own ``step``."""
         self.release()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._optimizer is not None and self._original_step is not None:
-            self._optimizer.step = self._original_step
-            self._original_step = None
+        for part, own in self._wrapped:
+            if own is None:
+                del part.step  # the class's step shows through again
+            else:
+                part.step = own
+        self._wrapped = []
