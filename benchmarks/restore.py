@@ -167,13 +167,15 @@ def _worker(
             dcp.load(state, checkpoint_id=dcp_dir)
             optimizer.load_state_dict(state["dense_optim"])
 
-        out: dict[str, Any] = _interleaved(
-            {
-                "full": lambda: _restore_stats(ckpt.load(full, threads=threads)),
-                "chain": lambda: _restore_stats(ckpt.load(last, threads=threads)),
-                "dcp": dcp_load,
-            },
-            repeats,
+        out: dict[str, Any] = dict(
+            _interleaved(
+                {
+                    "full": lambda: _restore_stats(ckpt.load(full, threads=threads)),
+                    "chain": lambda: _restore_stats(ckpt.load(last, threads=threads)),
+                    "dcp": dcp_load,
+                },
+                repeats,
+            )
         )
     if rank == 0:
         out["embckpt_chain_bytes"] = _dir_bytes(Path(directory))
@@ -250,7 +252,7 @@ def main() -> None:
         for world_size in worlds:
             started = time.perf_counter()
             results = run_ranks(_worker, world_size, cfg, root, args.repeats, args.threads)
-            run = {key: _summarise(results, key) for key in ("full", "chain", "dcp")}
+            run: dict[str, Any] = {k: _summarise(results, k) for k in ("full", "chain", "dcp")}
             run.update(
                 embckpt_full_bytes=results[0]["embckpt_full_bytes"],
                 embckpt_chain_bytes=results[0]["embckpt_chain_bytes"],
