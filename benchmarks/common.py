@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,3 +80,96 @@ def build_workload(rank: int, world_size: int, cfg: Any, dataset: Any = None) ->
     )
     model, optimizer = build_model(cfg.workload, device, world_size)
     return Workload(cfg.workload, device, dataset, sampler, model, optimizer)
+
+
+def dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """What ``dcp.save`` saves of a sharded model: weights, fused and dense optimizer state."""
+    return {
+        "model": model.state_dict(),
+        "optim": model.fused_optimizer.state_dict(),
+        "dense_optim": optimizer.state_dict(),
+    }
+
+
+def dcp_save(state: dict[str, Any], path: str, threads: int) -> None:
+    """``dcp.save`` with ``threads`` writer threads per rank and fsync on, as our saves have."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(path, thread_count=threads, sync_files=True)
+    dcp.save(state, storage_writer=writer)
+
+
+def dir_bytes(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and spread of repeated timings (seconds)."""
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "p25": quantile(0.25),
+        "p75": quantile(0.75),
+        "max": ordered[-1],
+        "n": len(ordered),
+    }
+
+
+def median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    """The median, phase by phase, of several saves' ``phase_seconds``."""
+    if not phases:
+        return {}
+    return {name: statistics.median(p[name] for p in phases) for name in phases[0]}
+
+
+class PeakRss:
+    """Peak resident memory of this process during a block, above its level at the start.
+
+    A thread samples ``VmRSS`` of ``/proc/self/status`` every ``interval_s`` (the kernel's
+    ``VmHWM`` high-water mark cannot be reset, so it would report the peak of an earlier
+    operation); a peak shorter than the interval can be missed.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.baseline = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("/proc/self/status has no VmRSS line")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> PeakRss:
+        self.baseline = self.peak = self.rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        """Bytes above the level at the start."""
+        return self.peak - self.baseline

@@ -89,7 +89,7 @@ def test_manifest_records_the_slowest_ranks_phase_seconds() -> None:
         phases = s["phase_seconds"]
         assert set(phases) == set(PHASES), step
         assert s["phase_rank"] in (0, 1), step
-        for name in ("snapshot", "encode", "write", "fsync", "hash"):
+        for name in ("snapshot", "encode", "write", "fsync", "hash", "commit"):
             assert phases[name] > 0, (step, name)
         # Thread-seconds: at most the save's wall time on each of the persist thread, the
         # training thread and the two writer threads.
