@@ -50,9 +50,16 @@ from embckpt.errors import EmbckptError
 from embckpt.read.reader import read_into
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
+from embckpt.storage.checksum import ALGORITHM
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 from embckpt.storage.lock import DirectoryLock
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
+from embckpt.storage.manifest import (
+    FORMAT_VERSION,
+    FileEntry,
+    HistoryEntry,
+    Manifest,
+    TableEntry,
+)
 from embckpt.storage.shardfile import (
     ELEM_STATE_PREFIX,
     RowBlock,
@@ -148,6 +155,9 @@ def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Man
         parent_step=None,
         files=tuple(sorted(files, key=lambda f: f.path)),
         history=(HistoryEntry(step, "full", total, 1.0),),
+        # The files it writes are this version's, whatever the head was written with.
+        format_version=FORMAT_VERSION,
+        checksum_algorithm=ALGORITHM,
         stats={
             **head.stats,
             "merged_from": [m.step for m in chain],
