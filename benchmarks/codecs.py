@@ -20,6 +20,10 @@ entropy stage it measures:
 Writes ``benchmarks/results/codecs.json``. The machine is shared: speeds are noisy.
 
 Run: ``.venv/bin/python benchmarks/codecs.py [--rows 131072]``
+
+``--quick`` measures only the speed of the quantizing codecs' ``encode`` / ``decode`` (entropy
+``none``), as the CPU time of the measuring thread (per-core figures on a shared machine), with
+each one's l2 error; it prints and writes nothing.
 """
 
 from __future__ import annotations
@@ -156,6 +160,32 @@ def _column_bytes(data: pa.Buffer, name: str) -> int:
     )
 
 
+def quick(rows: torch.Tensor, reps: int) -> None:
+    """Per-core speeds (thread CPU time, best of ``reps``) and errors of the quantizing codecs."""
+    fp32 = rows.numel() * 4 / 1e9
+
+    def cpu_time(fn: Any) -> tuple[Any, float]:
+        result = fn()  # warm: compiled kernels, k-means codebook
+        best = float("inf")
+        for _ in range(reps):
+            start = time.thread_time()
+            result = fn()
+            best = min(best, time.thread_time() - start)
+        return result, best
+
+    for codec_id in ("symmetric", "asymmetric", "adaptive", "kmeans"):
+        for bits in BITS:
+            codec = make_codec(codec_id, {"bits": bits, "entropy": "none"})
+            encoded, t_enc = cpu_time(lambda c=codec: c.encode(rows))
+            decoded, t_dec = cpu_time(lambda c=codec, e=encoded: c.decode(e, rows.shape[1]))
+            error = (decoded.double() - rows.double()).norm(dim=1).mean().item()
+            print(
+                f"{codec_id:>10} {bits} l2 {error:.6f}  enc {fp32 / t_enc:7.3f}  "
+                f"dec {fp32 / t_dec:7.3f} GB/s per core",
+                flush=True,
+            )
+
+
 def configurations() -> list[tuple[str, dict[str, Any], str]]:
     """(codec, options, data) for every measurement: data is ``weights`` or ``deltas``."""
     runs: list[tuple[str, dict[str, Any], str]] = []
@@ -246,6 +276,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cache", default="/tmp/embckpt_codec_bench_tables.npz")
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the quantizing codecs' per-core encode/decode speeds (nothing written)",
+    )
+    parser.add_argument(
         "--summarize-only",
         action="store_true",
         help="recompute the summary of the existing results file without measuring again",
@@ -271,6 +306,9 @@ def main() -> None:
         "weights": torch.from_numpy(np.ascontiguousarray(final[np.sort(pick_w)])),
         "deltas": torch.from_numpy(np.ascontiguousarray((final - earlier)[np.sort(pick_d)])),
     }
+    if args.quick:
+        quick(data["weights"], args.reps)
+        return
     results = []
     for codec_id, options, which in configurations():
         row = measure(codec_id, options, data[which], args.reps)

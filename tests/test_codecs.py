@@ -125,17 +125,81 @@ def test_odd_widths_and_generic_path(cols: int) -> None:
             assert bool(((decoded - x).abs() <= _bound(codec_id, bits, x)).all()), (codec_id, bits)
 
 
-def test_fbgemm_and_torch_paths_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_fbgemm_and_torch_paths_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     import embckpt.codecs.uniform as uniform
 
     x = _rows(400, 32)
     lo, hi = x.amin(1), x.amax(1)
-    for bits in (2, 4, 8):
-        fast = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
+    for bits in (2, 3, 4, 8):
+        kernel = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
         with monkeypatch.context() as m:
+            m.setattr(uniform, "COMPILED", False)
+            fbgemm = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
             m.setattr(uniform, "fbgemm_fits", lambda *_: False)
-            slow = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
-        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), bits
+            plain = quantize_affine(x, lo + 0.1 * (hi - lo), hi, bits, True)
+        for other in (fbgemm, plain):
+            assert torch.equal(kernel[0], other[0]) and torch.equal(kernel[1], other[1]), bits
+
+
+def _adversarial_rows(cols: int) -> torch.Tensor:
+    """Rows that stress the kernels: constant, zero, one-hot, tiny steps (fp16 subnormal
+    scales), a wide range, values on fp16 rounding ties, plus ordinary rows."""
+    x = _rows(64, cols, seed=cols)
+    x[0] = 0.0
+    x[1] = 0.37
+    x[2, 0] = 1.0
+    x[3] = torch.linspace(-1, 1, cols) * 1e-4
+    x[4] = torch.linspace(-3e4, 6e4, cols)
+    x[5] = torch.linspace(0, 1, cols).half().float() * 0.5 + 2.0**-11
+    x[6] = -x[7]
+    x[8] = torch.linspace(-1, 1, cols) * 2.0**-20
+    return x
+
+
+@pytest.mark.parametrize("cols", [1, 3, 7, 13, 64])
+def test_kernels_match_the_torch_path(cols: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled CPU kernels write the torch path's bytes and decode to its values, for
+    every uniform codec and width, on random and adversarial rows (any number of them)."""
+    import embckpt.codecs.uniform as uniform
+
+    batches = [_adversarial_rows(cols), _rows(1, cols, seed=3), _rows(3, cols) * 1e3]
+    for codec_id in UNIFORM:
+        for bits in BITS:
+            codec = _codec(codec_id, bits)
+            for x in batches:
+                fast = codec.encode(x)
+                with monkeypatch.context() as m:
+                    m.setattr(uniform, "COMPILED", False)
+                    slow = codec.encode(x)
+                    slow_rows = codec.decode(slow, cols)
+                assert fast.metadata == slow.metadata, (codec_id, bits)
+                if codec_id == "adaptive":
+                    # Same walk, sums in another order: a near tie may pick another range.
+                    err = (codec.decode(fast, cols) - x).norm(dim=1)
+                    ref = (slow_rows - x).norm(dim=1)
+                    assert bool((err <= ref * (1 + 1e-3) + 1e-7).all()), (bits, cols)
+                else:
+                    assert fast.columns["payload"].equals(slow.columns["payload"]), (codec_id, bits)
+                # Decoding the same bytes: the kernel and torch (or FBGEMM) agree to rounding.
+                decoded = codec.decode(slow, cols)
+                assert torch.allclose(decoded, slow_rows, rtol=1e-6, atol=0), (codec_id, bits)
+
+
+def test_kernel_fp16_rounding_matches_torch() -> None:
+    from embckpt.codecs import kernels
+
+    every = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = torch.cat([every.float(), -every.float()])
+    between = (values[:-1] + values[1:]) / 2  # exact ties: round to even
+    g = torch.Generator().manual_seed(0)
+    random = torch.randn(4000, generator=g) * torch.logspace(-9, 4.8, 4000)
+    tests = torch.cat([values[::7], between[::7], random, torch.tensor([65519.0, 65520.0, 7e4])])
+    rounded = np.array([kernels._half_round(np.float32(v)) for v in tests.tolist()])
+    assert np.array_equal(rounded, tests.half().float().numpy())
+    halves = np.array([kernels._half_bits(np.float32(v)) for v in values[::7].tolist()])
+    assert np.array_equal(
+        halves.astype(np.uint16), values[::7].half().view(torch.int16).numpy().view(np.uint16)
+    )
 
 
 # -- edge-case rows -------------------------------------------------------------------------
@@ -273,6 +337,46 @@ def test_vectorised_greedy_search_matches_reference(bits: int) -> None:
             x[r : r + 1], torch.tensor([ref[0]]), torch.tensor([ref[1]]), levels, True
         )
         assert float(ours) <= float(theirs) * (1 + 1e-4) + 1e-12, (r, ref, lo[r], hi[r])
+
+
+def _trained_like_rows(n: int, seed: int) -> torch.Tensor:
+    """Rows shaped like trained DLRM embeddings (benchmarks/codecs.py's): heavy-tailed
+    values, per-row scales spread over two decades, a small per-row offset."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.distributions.StudentT(4.0).sample((n, 64))
+    x *= torch.logspace(-3, -1, n)[torch.randperm(n, generator=g)][:, None]
+    return (x + torch.randn(n, 1, generator=g) * 1e-3).float()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_kernel_search_keeps_the_greedy_error(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled search's l2 error is within 1% of the torch greedy search's, mean over
+    rows, and no row is more than 1% worse."""
+    import embckpt.codecs.uniform as uniform
+
+    torch.manual_seed(bits)
+    x = _trained_like_rows(3000, bits)
+    codec = _codec("adaptive", bits)
+    err = (codec.decode(codec.encode(x), 64) - x).norm(dim=1)
+    with monkeypatch.context() as m:
+        m.setattr(uniform, "COMPILED", False)
+        ref = (codec.decode(codec.encode(x), 64) - x).norm(dim=1)
+    assert float(err.mean()) <= 1.01 * float(ref.mean()), (float(err.mean()), float(ref.mean()))
+    assert float((err / ref).max()) <= 1.01
+    asym = _codec("asymmetric", bits).decode(_codec("asymmetric", bits).encode(x), 64) - x
+    assert float(err.mean()) < float(asym.norm(dim=1).mean())  # the search still pays
+
+
+def test_torch_paths_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path (CUDA tensors take it) stays within every bound with the kernels off."""
+    import embckpt.codecs.uniform as uniform
+
+    monkeypatch.setattr(uniform, "COMPILED", False)
+    x = _rows(200, 24)
+    for codec_id in UNIFORM:
+        for bits in BITS:
+            decoded = round_trip(_codec(codec_id, bits, "zstd"), x)
+            assert bool(((decoded - x).abs() <= _bound(codec_id, bits, x)).all()), (codec_id, bits)
 
 
 def test_adaptive_options_and_format() -> None:

@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from embckpt.codecs.base import register
 from embckpt.codecs.common import DEFAULT_ENTROPY
-from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit
+from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, use_kernels
 from embckpt.errors import ConfigError
 
 #: (n_bins, ratio) per bit width when not given.
@@ -90,6 +91,13 @@ class AdaptiveCodec(AsymmetricCodec):
         half = self.param_dtype == "float16" or (
             self.param_dtype == "auto" and half_params_fit(xmin, xmax, self.bits)
         )
+        if use_kernels(x):
+            from embckpt.codecs import kernels
+
+            lo_np = np.empty(x.shape[0], dtype=np.float32)
+            hi_np = np.empty(x.shape[0], dtype=np.float32)
+            kernels.greedy_ranges(x.numpy(), self.bits, self.n_bins, steps, half, lo_np, hi_np)
+            return torch.from_numpy(lo_np), torch.from_numpy(hi_np)
         lo, hi = torch.empty_like(xmin), torch.empty_like(xmax)
         for start in range(0, x.shape[0], _CHUNK_ROWS):
             part = slice(start, start + _CHUNK_ROWS)

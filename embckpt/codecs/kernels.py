@@ -1,0 +1,313 @@
+"""Compiled per-row kernels (numba) for the uniform codecs on CPU tensors.
+
+Why compiled: a torch or numpy operation makes one pass over the whole batch, so a row-wise
+search that scores ~11 clipping ranges of the same 64 values pays ~70 passes over memory
+(adaptive.py); here each row stays in L1 and registers while it is scored, quantized and packed.
+
+Contract: kernels take C-contiguous numpy arrays of fixed dtypes (float32 rows and ranges,
+uint8 bytes, float64 parameters; int and bool options), so each compiles once, lazily on its
+first call, and numba caches the machine code on disk (``cache=True``); they release the GIL
+(``nogil``: the writer encodes in threads), and divide by zero as IEEE says (numpy's error
+model), as torch does. Quantization and decoding reproduce the torch path
+of uniform.py bit for bit (same float32 operations in the same order, no fused multiply-add);
+the range search runs the same greedy walk as adaptive.py, its sums of squares in another order
+(tests/test_codecs.py checks both). CUDA tensors never come here: they take the torch path.
+
+fp16 rounding is done on the float32 bit pattern (round to nearest even, as ``Tensor.half()``):
+numba has no fp16 arithmetic on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+#: Rows per block of the range search: each step of the walk runs over a block of rows at a
+#: time, so the rows' independent chains (fp16 rounding, divisions, choices) overlap.
+_BLOCK = 32
+#: Floating-point freedoms of the sums of squares only (reassociation lets them vectorise);
+#: everything that decides a quantized value stays strict IEEE.
+_SUMS = {"reassoc", "nsz", "nnan"}
+_F32 = np.float32
+_U32 = np.uint32
+
+
+def _bitcast(source: types.Type, target: types.Type, llvm_target: ir.Type) -> Any:
+    """An intrinsic that reads a 32-bit value's bits as another 32-bit type."""
+
+    def typer(typingctx: object, value: types.Type) -> object:
+        def codegen(
+            context: object, builder: ir.IRBuilder, signature: object, args: list
+        ) -> object:
+            return builder.bitcast(args[0], llvm_target)
+
+        return target(source), codegen
+
+    return intrinsic(typer)
+
+
+_f32_bits = _bitcast(types.float32, types.uint32, ir.IntType(32))
+_bits_f32 = _bitcast(types.uint32, types.float32, ir.FloatType())
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _half_round(value: np.float32) -> np.float32:
+    """``float32(float16(value))`` for a finite float32: round to nearest even on 10 mantissa
+    bits (2**-24 steps below fp16's smallest normal), infinity beyond fp16's largest value."""
+    bits = _f32_bits(value)
+    sign = bits & _U32(0x80000000)
+    mag = bits & _U32(0x7FFFFFFF)
+    if mag >= _U32(0x38800000):
+        mag = (mag + _U32(0x0FFF) + ((mag >> _U32(13)) & _U32(1))) & _U32(0xFFFFE000)
+        if mag > _U32(0x477FE000):
+            mag = _U32(0x7F800000)
+    else:
+        tiny = _bits_f32(mag) * _F32(16777216.0)
+        mag = _f32_bits(np.rint(tiny) * _F32(5.960464477539063e-08))
+    return _bits_f32(mag | sign)
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _half_bits(value: np.float32) -> np.uint32:
+    """The fp16 bit pattern of a float32 that fp16 represents exactly (or an infinity)."""
+    bits = _f32_bits(value)
+    sign = (bits >> _U32(16)) & _U32(0x8000)
+    mag = bits & _U32(0x7FFFFFFF)
+    if mag >= _U32(0x7F800000):
+        half = _U32(0x7C00)
+    elif mag >= _U32(0x38800000):
+        half = (mag >> _U32(13)) - _U32(112 << 10)
+    else:
+        half = _U32(_bits_f32(mag) * _F32(16777216.0))
+    return half | sign
+
+
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
+def _minmax(x: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
+    lo = x[r, 0]
+    hi = x[r, 0]
+    for j in range(x.shape[1]):
+        lo = min(lo, x[r, j])
+        hi = max(hi, x[r, j])
+    return lo, hi
+
+
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
+def _sumsq(x: np.ndarray, r: int, inv: np.float32, off: np.float32, top: np.float32) -> np.float32:
+    """Sum over row ``r`` of (t - clamp(rint(t), 0, top))**2 with t = x * inv - off."""
+    zero = _F32(0)
+    acc = zero
+    for j in range(x.shape[1]):
+        t = x[r, j] * inv - off
+        d = t - min(max(np.rint(t), zero), top)
+        acc += d * d
+    return acc
+
+
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
+def _sumsq2(
+    x: np.ndarray,
+    r: int,
+    inv1: np.float32,
+    off1: np.float32,
+    inv2: np.float32,
+    off2: np.float32,
+    top: np.float32,
+) -> tuple[np.float32, np.float32]:
+    """:func:`_sumsq` for two ranges in one pass over the row."""
+    zero = _F32(0)
+    acc1 = zero
+    acc2 = zero
+    for j in range(x.shape[1]):
+        v = x[r, j]
+        t = v * inv1 - off1
+        d = t - min(max(np.rint(t), zero), top)
+        acc1 += d * d
+        t = v * inv2 - off2
+        d = t - min(max(np.rint(t), zero), top)
+        acc2 += d * d
+    return acc1, acc2
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _scoring(
+    lo: np.float32, hi: np.float32, top: np.float32, half: bool
+) -> tuple[np.float32, np.float32, np.float32]:
+    """(1 / scale, lo / scale, scale**2) of the range [lo, hi] as adaptive.range_loss sets it."""
+    if half:
+        lo = _half_round(lo)
+    span = hi - lo
+    scale = span / top if span > 0 else _F32(1)
+    if half:
+        scale = _half_round(scale)
+        if not scale > 0:
+            scale = _F32(1)
+    inv = _F32(1) / scale
+    return inv, lo * inv, scale * scale
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def greedy_ranges(
+    x: np.ndarray, bits: int, n_bins: int, steps: int, half: bool, lo: np.ndarray, hi: np.ndarray
+) -> None:
+    """adaptive.greedy_ranges for float32 rows ``x`` [n, cols]: each row's best range into
+    ``lo`` and ``hi`` [n]. Rows must be finite."""
+    top = _F32((1 << bits) - 1)
+    bins = _F32(n_bins)
+    b = _BLOCK
+    cur_lo = np.empty(b, _F32)
+    cur_hi = np.empty(b, _F32)
+    step = np.empty(b, _F32)
+    loss = np.empty(b, _F32)
+    best = np.empty(b, _F32)
+    inv1 = np.empty(b, _F32)
+    off1 = np.empty(b, _F32)
+    sq1 = np.empty(b, _F32)
+    inv2 = np.empty(b, _F32)
+    off2 = np.empty(b, _F32)
+    sq2 = np.empty(b, _F32)
+    for start in range(0, x.shape[0], b):
+        m = min(b, x.shape[0] - start)
+        for i in range(m):
+            r = start + i
+            cur_lo[i], cur_hi[i] = _minmax(x, r)
+            lo[r] = cur_lo[i]
+            hi[r] = cur_hi[i]
+            step[i] = (cur_hi[i] - cur_lo[i]) / bins
+            best[i] = np.inf
+            inv, off, square = _scoring(cur_lo[i], cur_hi[i], top, half)
+            loss[i] = _sumsq(x, r, inv, off, top) * square
+        for _ in range(steps):
+            for i in range(m):
+                inv1[i], off1[i], sq1[i] = _scoring(cur_lo[i] + step[i], cur_hi[i], top, half)
+                inv2[i], off2[i], sq2[i] = _scoring(cur_lo[i], cur_hi[i] - step[i], top, half)
+            for i in range(m):
+                r = start + i
+                up, down = _sumsq2(x, r, inv1[i], off1[i], inv2[i], off2[i], top)
+                up *= sq1[i]
+                down *= sq2[i]
+                here = loss[i]
+                # A local optimum: both neighbours are worse. Keep the best one met so far.
+                if here < up and here < down and here < best[i]:
+                    best[i] = here
+                    lo[r] = cur_lo[i]
+                    hi[r] = cur_hi[i]
+                if up < down:
+                    cur_lo[i] += step[i]
+                    loss[i] = up
+                else:
+                    cur_hi[i] -= step[i]
+                    loss[i] = down
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def quantize_half(
+    x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int, with_bias: bool, out: np.ndarray
+) -> None:
+    """uniform.quantize_affine with fp16 parameters, fused: each row of ``out`` [n, w + p]
+    gets its packed codes (w bytes), then its fp16 ``scale`` and, with ``with_bias``, ``bias``.
+
+    Without ``with_bias`` (symmetric) the stored scale is ``(hi - lo) / levels`` itself, as
+    ``UniformCodec.encode`` stores it, not the quantizer's (1 for an all-zero row).
+    """
+    n, cols = x.shape
+    levels = (1 << bits) - 1
+    top = _F32(levels)
+    width = (cols * bits + 7) // 8
+    codes = np.empty(cols + 8, np.uint8)
+    codes[:] = 0
+    for r in range(n):
+        bias = _half_round(lo[r])
+        span = hi[r] - bias
+        scale = _half_round(span / top if span != 0 else _F32(1))
+        inverse = _F32(1) / scale
+        if scale == 0 or np.isinf(inverse):
+            scale = _F32(1)
+            inverse = _F32(1)
+        for j in range(cols):
+            codes[j] = np.uint8(min(max(np.rint((x[r, j] - bias) * inverse), _F32(0)), top))
+        _pack(codes, cols, bits, out, r)
+        if with_bias:
+            _put_half(out, r, width, scale)
+            _put_half(out, r, width + 2, bias)
+        else:
+            _put_half(out, r, width, _half_round((hi[r] - lo[r]) / top))
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _put_half(out: np.ndarray, r: int, at: int, value: np.float32) -> None:
+    half = _half_bits(value)
+    out[r, at] = np.uint8(half & _U32(0xFF))
+    out[r, at + 1] = np.uint8(half >> _U32(8))
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _pack(codes: np.ndarray, cols: int, bits: int, out: np.ndarray, r: int) -> None:
+    """Codes (``codes`` is zero past ``cols``) into row ``r`` of ``out`` in packing.py's layout."""
+    if bits == 8:
+        for j in range(cols):
+            out[r, j] = codes[j]
+    elif bits == 4:
+        for k in range((cols + 1) // 2):
+            out[r, k] = codes[2 * k] | (codes[2 * k + 1] << 4)
+    elif bits == 2:
+        for k in range((cols + 3) // 4):
+            c = 4 * k
+            out[r, k] = codes[c] | (codes[c + 1] << 2) | (codes[c + 2] << 4) | (codes[c + 3] << 6)
+    else:
+        word = np.int64(0)
+        filled = 0
+        at = 0
+        for j in range(cols):
+            word |= np.int64(codes[j]) << filled
+            filled += bits
+            if filled >= 8:
+                out[r, at] = np.uint8(word & 0xFF)
+                word >>= 8
+                filled -= 8
+                at += 1
+        if filled > 0:
+            out[r, at] = np.uint8(word & 0xFF)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def dequantize(
+    fused: np.ndarray,
+    bits: int,
+    cols: int,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    wide: bool,
+    out: np.ndarray,
+) -> None:
+    """``scale * q + bias`` for the packed codes at the start of each row of ``fused``: in
+    float32 like the torch path for fp16 parameters, in float64 (``wide``) for fp32 ones."""
+    mask = (1 << bits) - 1
+    for r in range(fused.shape[0]):
+        s64 = scale[r]
+        b64 = bias[r]
+        s32 = _F32(s64)
+        b32 = _F32(b64)
+        for j in range(cols):
+            if bits == 8:
+                q = np.int64(fused[r, j])
+            elif bits == 4:
+                q = np.int64(fused[r, j >> 1] >> ((j & 1) * 4)) & 15
+            elif bits == 2:
+                q = np.int64(fused[r, j >> 2] >> ((j & 3) * 2)) & 3
+            else:
+                at = j * bits
+                byte = at >> 3
+                shift = at & 7
+                q = np.int64(fused[r, byte]) >> shift
+                if shift + bits > 8:
+                    q |= np.int64(fused[r, byte + 1]) << (8 - shift)
+                q &= mask
+            if wide:
+                out[r, j] = _F32(np.float64(q) * s64 + b64)
+            else:
+                out[r, j] = _F32(q) * s32 + b32
