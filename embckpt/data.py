@@ -10,10 +10,15 @@ Contract:
 * The sampler's state (``state_dict``) is a small dict of JSON-able ints and bools that does not
   depend on the rank; restoring it into a fresh sampler continues the stream exactly, so every
   sample is still seen exactly once per epoch across a checkpoint restore.
+* Training pipelines read batches ahead of the model (TorchRec's ``TrainPipelineSparseDist``
+  holds two in flight). With ``count_trained=True`` the saved position is the one after the
+  last batch reported by ``mark_trained()`` (call it after each ``pipeline.progress()``), not
+  after the last batch handed out, so a resume neither skips nor repeats a batch.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -34,7 +39,8 @@ class ResumableSampler:
     """An infinite, deterministic, checkpointable stream of this rank's batch indices.
 
     Call order: construct, optionally ``load_state_dict``, then iterate; ``state_dict`` may be
-    taken between any two batches and describes the position after the last batch yielded.
+    taken between any two batches and describes the position after the last batch yielded, or,
+    with ``count_trained``, after the last batch ``mark_trained`` reported.
     """
 
     def __init__(
@@ -46,6 +52,7 @@ class ResumableSampler:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        count_trained: bool = False,
     ) -> None:
         """Creates a sampler positioned at the start of epoch 0.
 
@@ -56,6 +63,8 @@ class ResumableSampler:
             world_size: ranks sharing each global batch.
             seed: seed of the per-epoch permutations.
             shuffle: False yields samples in index order (epochs are then all alike).
+            count_trained: save the position of the batches reported by ``mark_trained``
+                (for training pipelines that read ahead), not of those handed out.
 
         Raises:
             ConfigError: a size is not positive, the rank is out of range, or one epoch holds
@@ -83,6 +92,10 @@ class ResumableSampler:
         self._position = 0
         self._perm: np.ndarray | None = None
         self._perm_epoch = -1
+        self._count_trained = bool(count_trained)
+        self._trained = (0, 0)  # (epoch, position) after the last batch marked trained
+        # (epoch, position) after each batch handed out but not yet marked trained
+        self._ahead: deque[tuple[int, int]] = deque()
 
     @property
     def epoch(self) -> int:
@@ -110,7 +123,31 @@ class ResumableSampler:
         start = self._position * global_batch + self._rank * self._batch_size
         indices = self._permutation(self._epoch)[start : start + self._batch_size]
         self._position += 1
+        if self._count_trained:
+            self._ahead.append((self._epoch, self._position))
         return indices.copy()
+
+    @property
+    def read_ahead(self) -> int:
+        """Batches handed out but not yet reported by :meth:`mark_trained`."""
+        return len(self._ahead)
+
+    def mark_trained(self, batches: int = 1) -> None:
+        """Reports that the model has trained on the next ``batches`` batches handed out.
+
+        Raises:
+            ConfigError: the sampler was built without ``count_trained``, or fewer batches
+                were handed out than are reported.
+        """
+        if not self._count_trained:
+            raise ConfigError("sampler: mark_trained() needs ResumableSampler(count_trained=True)")
+        if not 0 <= batches <= len(self._ahead):
+            raise ConfigError(
+                f"sampler: mark_trained({batches}) but only {len(self._ahead)} batch(es) were "
+                "handed out and not yet marked"
+            )
+        for _ in range(batches):
+            self._trained = self._ahead.popleft()
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_epoch != epoch or self._perm is None:
@@ -128,9 +165,10 @@ class ResumableSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the stream position and the settings it depends on (JSON-able, rank-free)."""
+        epoch, position = self._trained if self._count_trained else (self._epoch, self._position)
         return {
-            "epoch": self._epoch,
-            "position": self._position,
+            "epoch": epoch,
+            "position": position,
             "seed": self._seed,
             "batch_size": self._batch_size,
             "world_size": self._world_size,
@@ -168,3 +206,5 @@ class ResumableSampler:
             )
         self._epoch = epoch
         self._position = position
+        self._trained = (epoch, position)
+        self._ahead.clear()
