@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import socket
 import zlib
 from pathlib import Path
@@ -259,3 +260,85 @@ def test_two_rank_training_learns_the_teacher(tmp_path: Path) -> None:
         assert result["optimizer_restored"]
     # Both ranks scored the same samples with the same (sharded) model.
     assert results[0]["after"]["auc"] == pytest.approx(results[1]["after"]["auc"], abs=1e-6)
+
+
+# -- the demo -------------------------------------------------------------------------------
+def test_demo_hides_only_the_known_third_party_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import warnings
+
+    from embckpt.examples.demo import _KNOWN_LOG_LINES, _DropLines, quiet_known_warnings
+
+    def shown(category: type[Warning], message: str, module: str) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_known_warnings()
+            warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 1, module)
+        return bool(caught)
+
+    bb, c10d = "`broadcast_buffers` is deprecated. Use", "torch.distributed.c10d_logger"
+    dense = "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
+    for category, message, module in [
+        (FutureWarning, bb, "torchrec.distributed.embeddingbag"),
+        (FutureWarning, bb, "torchrec.distributed.model_parallel"),
+        (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated.", c10d),
+        (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated.", c10d),
+        (UserWarning, dense, "torch.autograd.graph"),
+    ]:
+        assert not shown(category, message, module), message
+    # The same words from another module, in another category, or another message still show.
+    assert shown(FutureWarning, "`broadcast_buffers` is deprecated", "embckpt.checkpointer")
+    assert shown(UserWarning, "`broadcast_buffers` is deprecated", "torchrec.distributed.x")
+    assert shown(FutureWarning, "`torch.distributed.scatter` is deprecated", "torch.distributed.x")
+    assert shown(UserWarning, "fbgemm::other_op: an autograd kernel", "torch.autograd.graph")
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            for name, starts in _KNOWN_LOG_LINES.items():
+                for start in starts:
+                    logging.getLogger(name).warning(start + " and more")
+            logging.getLogger("torchrec.distributed.comm").warning("a real problem")
+        assert [r.getMessage() for r in caplog.records] == ["a real problem"]
+    finally:  # this process's loggers go back to how they were
+        for name in _KNOWN_LOG_LINES:
+            logger = logging.getLogger(name)
+            for added in [f for f in logger.filters if isinstance(f, _DropLines)]:
+                logger.removeFilter(added)
+
+
+@pytest.mark.timeout(900)  # five sets of two ranks start one after the other
+def test_demo_runs_both_settings_side_by_side(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """A short demo: the configured lossless run and the headline run are killed at the same
+    step and restored; the lossless one ends exactly where the uninterrupted run does."""
+    from embckpt.examples.demo import HEADLINE_DIR, run_demo
+
+    config = tmp_path / "demo.yaml"
+    config.write_text(
+        DEMO_YAML.read_text().replace("workload:\n", "workload:\n  num_samples: 8192\n")
+    )
+    out = tmp_path / "out"
+    assert run_demo(str(config), str(out), steps=30, kill_at=[15]) == 0
+    captured = capfd.readouterr()  # the ranks' output too: they write to the same descriptors
+    text = captured.out
+    assert text.count("phase 1: workers died at step 15") == 2
+    assert text.count("verify: OK (3 checkpoints") == 2
+    # The known third-party warnings and log lines are hidden.
+    assert not re.search(r"\w+Warning: ", captured.err), captured.err
+    assert "[Connection]" not in captured.err and "is_fx_tracing" not in captured.err
+    table = text[text.index("side by side:") :].splitlines()
+    lossless, headline, reference = table[2:5]
+    assert lossless.startswith("one_shot, raw ") and lossless.endswith(" identical"), table
+    assert headline.startswith("intermittent, adaptive 4-bit "), table
+    assert reference.startswith("uninterrupted, no checkpoint "), table
+
+    def figures(line: str) -> tuple[float, float]:
+        """(ratio against full fp32, AUC) of one line of the table."""
+        match = re.search(r" (\d+\.\d\d)x +(\d\.\d{4})(?:  |$)", line)
+        assert match, line
+        return float(match.group(1)), float(match.group(2))
+
+    assert figures(lossless)[1] == float(reference.split()[-1])
+    assert figures(headline)[0] > 1.5 * figures(lossless)[0], table
+    for folder in (out, out / HEADLINE_DIR):
+        assert (folder / "report.png").stat().st_size > 0
+        assert (folder / "step_000000000030" / "MANIFEST.json").is_file()
