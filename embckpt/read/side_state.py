@@ -125,11 +125,6 @@ def check_optimizer(optimizer: Any, saved: dict[str, Any], path: str) -> None:
     the live optimizer's (compared with its state where it has some, else its parameters)."""
     where = f"dense optimizer ({type(optimizer).__name__}): checkpoint {path}"
     params = dense.param_keys(optimizer)
-    unknown = sorted(map(str, set(saved.get("state", {})) - set(params)))
-    if unknown:
-        raise ModelMismatchError(
-            f"{where} has state for parameters {unknown[:5]} the live optimizer does not have"
-        )
     if "param_groups" in saved:
         # Keyed optimizers name their parameters; torch optimizers number them in order.
         if isinstance(optimizer, KeyedOptimizer):
@@ -146,6 +141,12 @@ def check_optimizer(optimizer: Any, saved: dict[str, Any], path: str) -> None:
                 f"{where} has parameter groups {want}, the live optimizer {have} (did a "
                 "table change to or from data-parallel?)"
             )
+    unknown = sorted(map(str, set(saved.get("state", {})) - set(params)))
+    if unknown:
+        raise ModelMismatchError(
+            f"{where} has state for parameters {unknown[:5]} the live optimizer does not "
+            "have (did a table change to or from data-parallel?)"
+        )
     for key, entries in saved.get("state", {}).items():
         param = params[key]
         live_state = optimizer.state.get(param) or {}
