@@ -187,6 +187,11 @@ def optimizer_parts(optimizer: Any | None, model: nn.Module) -> list[tuple[str, 
             raise ConfigError(
                 f"{where} mixes sharded table parameters with dense ones; {_WHAT_TO_PASS}"
             )
+        if any(hasattr(p, "_in_backward_optimizers") for p in params):
+            raise ConfigError(
+                f"{where} updates embedding tables that their fused optimizer already updates "
+                f"in backward; {_WHAT_TO_PASS}"
+            )
         if any(id(p) not in model_params for p in params):
             raise ConfigError(
                 f"{where} updates parameters that are not the model's (another model's "

@@ -58,9 +58,16 @@ def _state(model, dense, rank: int, sampler, counter) -> dict[str, Any]:
 
 
 def _save(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from embckpt import CheckpointConfig, Checkpointer, ResumableSampler
+    from embckpt import CheckpointConfig, Checkpointer, ConfigError, ResumableSampler
 
-    saved = {}
+    model, _ = tm.build(world_size, seed=0)
+    naive = torch.optim.SGD(model.parameters(), lr=0.1)  # the fused tables' weights too
+    try:
+        Checkpointer(model, f"{root}/refused", optimizer=naive)
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
+    saved: dict[str, Any] = {"refused": refused}
     for kind in KINDS:
         model, optimizer, dense = _build(kind, world_size, seed=0)
         sampler = ResumableSampler(640, tm.BATCH, rank=rank, world_size=world_size)
@@ -89,7 +96,7 @@ def _restore(rank: int, world_size: int, root: str, saved: list) -> dict[str, An
     from embckpt import Checkpointer, ResumableSampler
     from embckpt.errors import EmbckptError
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"refused": saved[rank]["refused"]}
     for kind in KINDS:
         expected = {k: torch.from_numpy(v) for k, v in saved[rank][kind].items()}
         # A fresh optimizer has no state: the restore creates it, then loads it.
@@ -185,6 +192,11 @@ def test_failed_restore_changes_nothing_on_any_rank(results: list, case: str, me
         assert got["diff"] == [], f"rank {rank}: changed by a failed restore: {got['diff']}"
         had, now = got["state_entries"]
         assert had == now, f"rank {rank}: optimizer state entries {had} -> {now}"
+
+
+def test_constructor_refuses_an_optimizer_over_fused_tables(results: list) -> None:
+    for rank, result in enumerate(results):  # tried by _save
+        assert "fused optimizer already updates" in result["refused"], f"rank {rank}"
 
 
 def test_constructor_refuses_what_it_cannot_save(tmp_path) -> None:
