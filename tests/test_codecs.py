@@ -390,6 +390,32 @@ def test_adaptive_options_and_format() -> None:
         make_codec("adaptive", {"ratio": 1.5})
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_kmeans_kernel_matches_the_torch_path(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled per-row alternation assigns exactly the torch path's codes, refits the
+    same parameters up to summation order, and encodes to the same error."""
+    import embckpt.codecs.kmeans as km
+    import embckpt.codecs.uniform as uniform
+
+    for x in (_adversarial_rows(13), _rows(300, 64, seed=bits), _rows(1, 5)):
+        codec = _codec("kmeans", bits)
+        codebook = codec._fit(x, x.amin(1), x.amax(1) - x.amin(1), 1 << bits)
+        scale, bias = x.amax(1) - x.amin(1), x.amin(1)
+        fast = km._alternate(x, codebook, 3, scale, bias)
+        fast0 = km._alternate(x, codebook, 0, fast[1], fast[2])
+        with monkeypatch.context() as m:
+            m.setattr(uniform, "COMPILED", False)
+            m.setattr(km, "use_kernels", lambda _: False)
+            slow = km._alternate(x, codebook, 3, scale, bias)
+            slow0 = km._alternate(x, codebook, 0, fast[1], fast[2])
+            slow_err = (round_trip(_codec("kmeans", bits), x) - x).norm(dim=1).mean()
+        assert torch.equal(fast0[0], slow0[0]), bits
+        for ours, theirs in zip(fast[1:], slow[1:], strict=True):
+            assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6 * float(x.abs().max())), bits
+        err = (round_trip(_codec("kmeans", bits), x) - x).norm(dim=1).mean()
+        assert float(err) <= float(slow_err) * 1.001 + 1e-9, (bits, float(err), float(slow_err))
+
+
 def test_kmeans_codebook_is_per_file_and_cached() -> None:
     codec = make_codec("kmeans", {"bits": 3})
     first = codec.encode(_rows(200, 16, seed=1))

@@ -13,11 +13,12 @@ reached 0.98 of asymmetric's l2 error at 4 bits against 0.89 for this scheme.
 
 When it is worth it: on trained DLRM tables (benchmarks/results/codecs.json) this codec has the
 lowest error of all at every bit width (4 bits: 0.89 of asymmetric's l2 error, adaptive 0.92;
-2 bits: 0.72 and 0.75), at the same bytes per row. It encodes ~100x slower than asymmetric
-(~0.02-0.03 GB/s of fp32 rows per core: every row alternates three times between its codes and
-its scale and bias) and decodes at ~0.4-0.9 GB/s. Use it where a checkpoint is written rarely
-and restored often, or where bits are scarce; for frequent checkpoints, adaptive gets most of
-the gain an order of magnitude faster.
+2 bits: 0.72 and 0.75), at the same bytes per row. It encodes ~10x slower than asymmetric
+(every row alternates three times between its codes and its scale and bias): on CPU tensors in
+compiled per-row kernels (kernels.py), ~0.15-0.25 GB/s of fp32 rows per core, from 0.01-0.03
+with the vectorised torch path, which other devices still take; it decodes at ~0.4-0.9 GB/s.
+Use it where a checkpoint is written rarely and restored often, or where bits are scarce; for
+frequent checkpoints, adaptive gets most of the gain 2-3x faster.
 
 Fitting: rows are first normalised to [0, 1] by their own min and max; scikit-learn's k-means
 (1-D, initialised by companded quantiles) fits the codebook on a sample of the normalised
@@ -25,7 +26,8 @@ values. Then ``iterations`` rounds of alternating least squares on a sample of
 rows refine the codebook: assign every value to its nearest centroid, refit each row's
 ``scale`` and ``bias`` by least squares, refit the centroids to all residuals. Finally, with the
 codebook fixed, every row of the batch alternates ``iterations`` times between its codes and its
-least-squares ``scale`` and ``bias``. All of it is vectorised over rows. The last codebook seeds
+least-squares ``scale`` and ``bias``. The per-row work runs compiled, one row at a time, on
+CPU tensors, and vectorised over rows in torch elsewhere. The last codebook seeds
 the next batch, so the scikit-learn fit runs once per codec instance (once per training run).
 """
 
@@ -48,7 +50,7 @@ from embckpt.codecs.common import (
     param_tables,
 )
 from embckpt.codecs.packing import lookup_codes, pack_codes, packed_width
-from embckpt.codecs.uniform import QUANT_BITS, half_params_fit
+from embckpt.codecs.uniform import QUANT_BITS, half_params_fit, use_kernels
 from embckpt.errors import CodecError, ConfigError, import_extra
 
 _SAMPLE = 1 << 16
@@ -103,18 +105,15 @@ class KMeansCodec(StagedCodec):
             self._codebook = codebook.cpu()
         # With the codebook fixed, each row's scale and bias alternate with its codes.
         scale, bias = span.clone(), lo.clone()
-        for _ in range(self.iterations):
-            codes = _assign(x, scale, bias, codebook)
-            scale, bias = _refit_rows(x, codebook[codes], scale, bias)
+        scale, bias = _alternate(x, codebook, self.iterations, scale, bias)[1:]
         half = half_params_fit(lo, hi, self.bits) if x.shape[0] else True
         dtype = torch.float16 if half else torch.float32
         scale, bias = scale.to(dtype), bias.to(dtype)
         # Assign once more with the parameters as stored, so the codes fit what decodes.
-        codes = _assign(x, scale.float(), bias.float(), codebook)
+        codes = _alternate(x, codebook, 0, scale.float(), bias.float())[0]
         params = torch.stack([scale, bias], dim=1).view(torch.uint8)
-        packed = pack_codes(codes.to(torch.uint8), self.bits)
-        fused = torch.cat([packed, params], dim=1)
-        tables = param_tables(packed.shape[1], params.shape[1])
+        fused = _fuse(codes, params, self.bits)
+        tables = param_tables(fused.shape[1] - params.shape[1], params.shape[1])
         column, meta, hint = self._payload_column(fused.cpu().numpy(), tables)
         meta["param_dtype"] = "float16" if half else "float32"
         meta["codebook"] = [float(v) for v in codebook.cpu().tolist()]
@@ -145,8 +144,7 @@ class KMeansCodec(StagedCodec):
         rows = x[:: max(1, x.shape[0] // _SAMPLE_ROWS)]
         scale, bias = rows.amax(dim=1) - rows.amin(dim=1), rows.amin(dim=1)
         for _ in range(self.iterations):
-            codes = _assign(rows, scale, bias, codebook)
-            scale, bias = _refit_rows(rows, codebook[codes], scale, bias)
+            codes, scale, bias = _alternate(rows, codebook, 1, scale, bias)
             codebook = _refit_codebook(rows, codes, scale, bias, codebook)
         return codebook
 
@@ -188,6 +186,33 @@ def _companded_quantiles(sample: np.ndarray, k: int) -> np.ndarray:
     return np.interp((np.arange(k) + 0.5) / k, cdf, edges)
 
 
+def _alternate(
+    x: torch.Tensor, codebook: torch.Tensor, rounds: int, scale: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rounds`` rounds of: every value's nearest centroid under its row's ``scale`` and
+    ``bias``, then each row's least-squares ``scale`` and ``bias`` for those codes (0 rounds:
+    the codes alone). Returns the last codes (uint8) and the parameters.
+
+    CPU rows run in a compiled per-row kernel (kernels.py), which keeps each row in L1 across
+    its rounds: ~10 vectorised torch passes per round over the whole batch measured 30-100x
+    slower. scikit-learn has no such per-row fit (its k-means fits the shared codebook, above).
+    """
+    if use_kernels(x) and x.shape[0]:
+        from embckpt.codecs import kernels
+
+        codes_np = np.empty(x.shape, dtype=np.uint8)
+        scale_np = np.array(scale.numpy(), dtype=np.float32)
+        bias_np = np.array(bias.numpy(), dtype=np.float32)
+        kernels.kmeans_rows(x.numpy(), codebook.numpy(), rounds, scale_np, bias_np, codes_np)
+        return torch.from_numpy(codes_np), torch.from_numpy(scale_np), torch.from_numpy(bias_np)
+    codes = _assign(x, scale, bias, codebook)
+    for done in range(rounds):
+        if done:
+            codes = _assign(x, scale, bias, codebook)
+        scale, bias = _refit_rows(x, codebook[codes], scale, bias)
+    return codes.to(torch.uint8), scale, bias
+
+
 def _assign(
     x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, codebook: torch.Tensor
 ) -> torch.Tensor:
@@ -227,16 +252,37 @@ def _refit_rows(
     return fitted, (x_mean - fitted[:, None] * c_mean).squeeze(1)
 
 
+def _fuse(codes: torch.Tensor, params: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed codes [n, cols] (uint8) then the parameter bytes, one fused row each."""
+    if not use_kernels(codes):
+        return torch.cat([pack_codes(codes, bits), params], dim=1)
+    from embckpt.codecs import kernels
+
+    width = packed_width(codes.shape[1], bits)
+    fused = np.empty((codes.shape[0], width + params.shape[1]), dtype=np.uint8)
+    kernels.pack_rows(codes.numpy(), bits, fused)
+    fused[:, width:] = params.numpy()
+    return torch.from_numpy(fused)
+
+
 def _refit_codebook(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, old: torch.Tensor
 ) -> torch.Tensor:
-    """Centroids minimising the total squared error given every row's codes and parameters."""
+    """Centroids minimising the total squared error given every row's codes (uint8) and
+    parameters."""
     k = len(old)
-    flat = codes.reshape(-1)
-    weight = scale.double().square()[:, None].expand_as(x).reshape(-1)
     # scale**2 * (c - (x - bias)/scale)**2 = (scale*c - (x - bias))**2: weighted least squares.
-    target = ((x - bias[:, None]).double() * scale.double()[:, None]).reshape(-1)
-    num = torch.bincount(flat, weights=target, minlength=k)
-    den = torch.bincount(flat, weights=weight, minlength=k)
+    if use_kernels(x):
+        from embckpt.codecs import kernels
+
+        num_np, den_np = np.zeros(k), np.zeros(k)
+        kernels.codebook_sums(x.numpy(), codes.numpy(), scale.numpy(), bias.numpy(), num_np, den_np)
+        num, den = torch.from_numpy(num_np), torch.from_numpy(den_np)
+    else:
+        flat = codes.reshape(-1).long()
+        weight = scale.double().square()[:, None].expand_as(x).reshape(-1)
+        target = ((x - bias[:, None]).double() * scale.double()[:, None]).reshape(-1)
+        num = torch.bincount(flat, weights=target, minlength=k)
+        den = torch.bincount(flat, weights=weight, minlength=k)
     fresh = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), old.double())
     return fresh.float().sort().values
