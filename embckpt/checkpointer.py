@@ -235,8 +235,7 @@ class Checkpointer:
             return handle
         clock = PhaseClock()
         self.store.clock = clock  # the store's writes report their write and fsync time to it
-        with clock.time("snapshot"):
-            snapshot = self._snapshot(step, decision, dirty, started, clock)
+        snapshot = self._snapshot(step, decision, dirty, started, clock)
         mode = self.config.pipeline
         if mode == "off":
             _run_into(future, self._persist, snapshot)
@@ -349,12 +348,17 @@ class Checkpointer:
         if decision.kind is Kind.FULL:
             taken[View.SINCE_FULL] = self.tracker.take(View.SINCE_FULL)
         dense_state = None
-        if self.comm.rank == 0:
-            dense_state = dense.detached_copy(
-                dense.dense_state(
-                    self.model, self.optimizer, self.sharded.table_keys, self.sharded.scalar_states
+        with clock.time("snapshot"):
+            if self.comm.rank == 0:
+                dense_state = dense.detached_copy(
+                    dense.dense_state(
+                        self.model,
+                        self.optimizer,
+                        self.sharded.table_keys,
+                        self.sharded.scalar_states,
+                    )
                 )
-            )
+            rank_state = dense.detached_copy(dense.rank_state(self.statefuls))
         fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
         snapshot = _Snapshot(
             step=step,
@@ -364,7 +368,7 @@ class Checkpointer:
             started=started,
             taken=taken,
             dense=dense_state,
-            rank=dense.detached_copy(dense.rank_state(self.statefuls)),
+            rank=rank_state,
             clock=clock,
         )
         units = plan_units(selected, self.config.max_file_rows, self.config.staging_budget_bytes)
@@ -375,7 +379,8 @@ class Checkpointer:
         for piece in pieces[:-1]:
             if snapshot.error is None:
                 try:
-                    staged = self._stage_piece(piece)
+                    with clock.time("snapshot"):
+                        staged = self._stage_piece(piece)
                     snapshot.entries.extend(
                         self.writer.write(step, staged, snapshot.decision, self.codec)
                     )

@@ -71,10 +71,10 @@ def _state_at_save_is_what_restores(rank: int, world_size: int, root: str) -> di
     ckpt.save(1).wait()
     real = ckpt.store.write_file
 
-    def failing(step, relative, data):
+    def failing(step, relative, data, *checksum):
         if step in (2, 3):
             raise OSError(f"injected at step {step}")
-        return real(step, relative, data)
+        return real(step, relative, data, *checksum)
 
     ckpt.store.write_file = failing
     tm.train_step(model, opt, 2, rank)

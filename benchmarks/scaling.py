@@ -1,0 +1,295 @@
+"""How save and restore scale with the model: embckpt beside DCP at 1M, 4M and 16M rows.
+
+For each size (``--sizes``, rows in all), 2 gloo ranks build a DLRM with 4 equal row-wise
+tables of 64-dim rows and row-wise Adagrad, train a few steps, and then run ``--repeats``
+rounds. Each round trains 2 more steps and times, on the same state:
+
+* saves, in an order rotating by round: our full save (``policy="full"``), our one-shot diff
+  save (a second checkpointer whose base full was written before the rounds) and ``dcp.save``
+  (same writer threads, fsync on);
+* restores into the live model, in an order rotating by round: our full checkpoint, our
+  chain (the base full and the round's diff) and ``dcp.load``.
+
+Each operation starts after a barrier and ends when every rank is done; its time is the slowest
+rank's, its memory the largest rank's. Memory: ``peak_rss_bytes`` is, per operation, the peak
+resident memory (``VmRSS`` of ``/proc/self/status``, sampled every 5 ms by a thread) above the
+rank's resident memory after the first training steps, before any checkpointing (so buffers a
+checkpointer keeps between saves, such as its staging arena, count, and so does memory the
+allocators kept from earlier operations); ``peak_rss_over_start_bytes`` is the peak above the
+resident memory at the operation's start. A save is within budget when its peak stays within
+``staging_budget_bytes`` + 10% (``save_within_budget``, and ``..._over_start``). A size whose
+estimated memory does not fit the machine's available memory is skipped, with the reason
+recorded. Files go to ``--dir`` (default: a temporary folder), are read back from the page
+cache, and are deleted after each round.
+
+Writes ``benchmarks/results/scaling.json``.
+
+Run: ``.venv/bin/python benchmarks/scaling.py [--sizes 1M,4M,16M] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import (  # noqa: E402
+    PeakRss,
+    build_workload,
+    dcp_save,
+    dcp_state,
+    dir_bytes,
+    spread,
+    write_result,
+)
+
+from embckpt.config import CheckpointConfig  # noqa: E402
+from embckpt.examples.launcher import run_ranks  # noqa: E402
+from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
+
+DIM = 64
+TABLES = 4
+WORLD = 2
+WARMUP_STEPS = 3
+SAVES = ("ours_save", "ours_diff_save", "dcp_save")
+RESTORES = ("ours_restore", "ours_chain_restore", "dcp_load")
+BUDGET_SLACK = 1.10
+
+
+def _rows(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _config(rows: int, budget: int, threads: int) -> DemoConfig:
+    workload = WorkloadConfig(
+        cardinalities=(rows // TABLES,) * TABLES,
+        embedding_dim=DIM,
+        dense_arch=(128, DIM),
+        over_arch=(128, 1),
+        num_samples=65536,
+        batch_size=512,
+        sharding={f"t_cat_{i}": "row_wise" for i in range(TABLES)},
+    )
+    checkpoint = CheckpointConfig(staging_budget_bytes=budget, io_threads=threads)
+    return DemoConfig(workload=workload, checkpoint=checkpoint, world_size=WORLD)
+
+
+def _table_bytes(rows: int) -> int:
+    """Weights and row-wise optimizer state of the whole model, fp32."""
+    return rows * (DIM + 1) * 4
+
+
+def _memory_needed(rows: int, budget: int) -> int:
+    """A rough upper bound of the machine memory a size needs: per rank its share of the
+    tables, the live model's copy made while sharding, the staging arena and the encoded files,
+    and the page cache holding what was written (ours and DCP's)."""
+    share = _table_bytes(rows) // WORLD
+    per_rank = 2 * share + min(budget, share) + share // 2 + (1 << 30)
+    return WORLD * per_rank
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as info:
+        for line in info:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from embckpt import Checkpointer
+
+    work = build_workload(rank, world_size, cfg)
+    model, optimizer = work.model, work.optimizer
+    for _ in range(WARMUP_STEPS):
+        work.step()
+    baseline = PeakRss.rss()
+    full = Checkpointer(
+        model,
+        f"{root}/full",
+        optimizer=optimizer,
+        config=dataclasses.replace(cfg.checkpoint, policy="full"),
+    )
+    chain = Checkpointer(
+        model,
+        f"{root}/chain",
+        optimizer=optimizer,
+        config=dataclasses.replace(cfg.checkpoint, policy="one_shot", full_every=0),
+    )
+    step = WARMUP_STEPS
+    base = chain.save(step).wait()  # the chain's base full, untimed
+    assert base is not None and base.kind == "full"
+    seconds: dict[str, list[float]] = {name: [] for name in SAVES + RESTORES}
+    peaks: dict[str, int] = dict.fromkeys(SAVES + RESTORES, 0)
+    op_peaks: dict[str, int] = dict.fromkeys(SAVES + RESTORES, 0)
+    bytes_written: dict[str, int] = {}
+    phases: dict[str, dict[str, float]] = {}  # the last round's, per save
+
+    def timed(name: str, operation: Callable[[], Any]) -> None:
+        dist.barrier()
+        started = time.perf_counter()
+        with PeakRss() as memory:
+            operation()
+            dist.barrier()
+        seconds[name].append(time.perf_counter() - started)
+        peaks[name] = max(peaks[name], memory.peak - baseline)
+        op_peaks[name] = max(op_peaks[name], memory.extra)
+
+    for turn in range(repeats):
+        for _ in range(2):
+            work.step()
+        step += 2
+        dcp_dir = f"{root}/dcp/step_{step}"
+        saves: dict[str, Callable[[], Any]] = {
+            "ours_save": lambda s=step: phases.update(ours_save=_phases(full.save(s))),
+            "ours_diff_save": lambda s=step: phases.update(ours_diff_save=_phases(chain.save(s))),
+            "dcp_save": lambda d=dcp_dir: dcp_save(
+                dcp_state(model, optimizer), d, cfg.checkpoint.io_threads
+            ),
+        }
+        for name in SAVES[turn % 3 :] + SAVES[: turn % 3]:
+            timed(name, saves[name])
+        if rank == 0:
+            bytes_written = {
+                "ours_save": dir_bytes(full.store.step_path(step)),
+                "ours_diff_save": dir_bytes(chain.store.step_path(step)),
+                "dcp_save": dir_bytes(dcp_dir),
+            }
+        restores: dict[str, Callable[[], Any]] = {
+            "ours_restore": lambda s=step: full.load(s),
+            "ours_chain_restore": lambda s=step: chain.load(s),
+            "dcp_load": lambda d=dcp_dir: dcp.load(dcp_state(model, optimizer), checkpoint_id=d),
+        }
+        for name in RESTORES[turn % 3 :] + RESTORES[: turn % 3]:
+            timed(name, restores[name])
+        dist.barrier()
+        if rank == 0:  # keep the disk use of one round; the chain's base stays
+            full.store.remove_step(step)
+            chain.store.remove_step(step)
+            shutil.rmtree(dcp_dir)
+        dist.barrier()
+    full.close()
+    chain.close()
+    return {
+        "seconds": seconds,
+        "peaks": peaks,
+        "op_peaks": op_peaks,
+        "bytes": bytes_written,
+        "baseline": baseline,
+        "phases": phases,
+    }
+
+
+def _phases(pending: Any) -> dict[str, float]:
+    """Waits for a save; its manifest's phase seconds (the slowest rank's)."""
+    manifest = pending.wait()
+    assert manifest is not None
+    return dict(manifest.stats["phase_seconds"])
+
+
+def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _config(rows, args.budget, args.threads)
+    root = args.dir or tempfile.mkdtemp(prefix="embckpt-scaling-")
+    try:
+        results = run_ranks(_worker, WORLD, cfg, root, args.repeats, timeout_s=args.timeout)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    # An operation is done when every rank is: each round's time is the slowest rank's.
+    seconds = {
+        name: [max(r["seconds"][name][i] for r in results) for i in range(args.repeats)]
+        for name in SAVES + RESTORES
+    }
+    spreads = {name: spread(values) for name, values in seconds.items()}
+    peaks = {name: max(r["peaks"][name] for r in results) for name in SAVES + RESTORES}
+    op_peaks = {name: max(r["op_peaks"][name] for r in results) for name in SAVES + RESTORES}
+    limit = args.budget * BUDGET_SLACK
+    entry: dict[str, Any] = {
+        "rows": rows,
+        "bytes": _table_bytes(rows),
+        **{f"{name}_s": spreads[name]["median"] for name in SAVES + RESTORES},
+        "peak_rss_bytes": peaks,
+        "peak_rss_over_start_bytes": op_peaks,
+        "spread_s": spreads,
+        "files_bytes": results[0]["bytes"],
+        "phase_seconds": results[0]["phases"],
+        "baseline_rss_bytes": max(r["baseline"] for r in results),
+        "save_vs_dcp": spreads["ours_save"]["median"] / spreads["dcp_save"]["median"],
+        "diff_save_vs_dcp": spreads["ours_diff_save"]["median"] / spreads["dcp_save"]["median"],
+        "restore_vs_dcp": spreads["ours_restore"]["median"] / spreads["dcp_load"]["median"],
+        "save_within_budget": all(peaks[n] <= limit for n in ("ours_save", "ours_diff_save")),
+        "save_within_budget_over_start": all(
+            op_peaks[n] <= limit for n in ("ours_save", "ours_diff_save")
+        ),
+    }
+    return entry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1M,4M,16M", help="rows in all, e.g. 1M,4M,16M")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per size")
+    parser.add_argument(
+        "--budget", type=int, default=1 << 30, help="staging_budget_bytes of our saves"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per size")
+    args = parser.parse_args()
+    results: list[dict[str, Any]] = []
+    for rows in (_rows(s) for s in args.sizes.split(",")):
+        needed, available = _memory_needed(rows, args.budget), _available()
+        if needed > available:
+            results.append(
+                {
+                    "rows": rows,
+                    "bytes": _table_bytes(rows),
+                    "skipped": f"needs about {needed / 2**30:.1f} GiB, "
+                    f"{available / 2**30:.1f} GiB available",
+                }
+            )
+            print(f"{rows:>10} rows: skipped ({results[-1]['skipped']})")
+            continue
+        entry = _measure(rows, args)
+        results.append(entry)
+        print(
+            f"{rows:>10} rows: save {entry['ours_save_s']:.2f} s (dcp {entry['dcp_save_s']:.2f}), "
+            f"diff {entry['ours_diff_save_s']:.2f} s, restore {entry['ours_restore_s']:.2f} s "
+            f"(dcp {entry['dcp_load_s']:.2f}), save peak "
+            f"{entry['peak_rss_bytes']['ours_save'] / 2**20:.0f} MiB"
+        )
+    path = write_result(
+        "scaling",
+        {
+            "method": __doc__.split("\n\n", 1)[1].split("Writes ``")[0].strip(),
+            "parameters": {
+                "dim": DIM,
+                "tables": TABLES,
+                "world_size": WORLD,
+                "repeats": args.repeats,
+                "staging_budget_bytes": args.budget,
+                "io_threads": args.threads,
+                "optimizer": "exact_rowwise_adagrad",
+            },
+            "results": results,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
