@@ -193,7 +193,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
     error: Exception | None = None
     try:
         try:
-            _apply(into, side, state, pairs)
+            _apply(into, side, state, pairs, prior.statefuls)
         except Exception as exc:  # gathered below, so that every rank rolls back
             error = exc
         into.comm.check(error, "restoring the dense state, RNG and statefuls")
@@ -203,7 +203,13 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
 
 
 @torch.no_grad()
-def _apply(into: RestoreTarget, side: SideState, state: dict[str, Any], pairs: list) -> None:
+def _apply(
+    into: RestoreTarget,
+    side: SideState,
+    state: dict[str, Any],
+    pairs: list,
+    prior_statefuls: dict[str, Any],
+) -> None:
     live = into.model.state_dict()
     for key, value in state["model"].items():
         live[key].copy_(value)
@@ -220,6 +226,8 @@ def _apply(into: RestoreTarget, side: SideState, state: dict[str, Any], pairs: l
         try:
             into.statefuls[name].load_state_dict(saved_state)
         except (EmbckptError, ValueError, KeyError, TypeError) as exc:
+            # Skipped, not fatal (another world size); what it half-loaded is put back.
+            into.statefuls[name].load_state_dict(prior_statefuls[name])
             side.skipped.append(f"stateful {name!r}: refused writer rank 0's state: {exc}")
 
 
