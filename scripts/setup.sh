@@ -5,6 +5,7 @@
 # pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/install_browser.sh  # Chromium for tests/test_report.py (Debian's package)
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 REQ=scripts/requirements.txt
