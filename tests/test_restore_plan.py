@@ -158,8 +158,8 @@ def _replay(written: list, shard: TableShard) -> tuple[np.ndarray, np.ndarray]:
                 continue
             inside = (rows >= r_lo) & (rows < r_hi)
             np.add.at(total, rows[inside] - r_lo, values[inside].astype(np.float64) * overlap)
-            np.add.at(weight, rows[inside] - r_lo, float(overlap))
-        held = weight > 0
+            np.add.at(weight, rows[inside] - r_lo, np.full(int(inside.sum()), float(overlap)))
+        held = np.greater(weight, 0.0)
         states[held] = (total[held] / weight[held]).astype(np.float32)
     return weights[r_lo:r_hi, lo:hi], states
 

@@ -182,7 +182,7 @@ def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
         member = np.zeros(len(values), dtype=bool)
         member[at[found]] = True
         return member
-    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    at = np.searchsorted(sorted_set, values).clip(max=len(sorted_set) - 1)
     return sorted_set[at] == values
 
 
@@ -255,8 +255,8 @@ class Coverage:
         last = np.array([index.row_groups[g].last_row for g in read.groups])
         needed = np.zeros(len(groups), dtype=bool)
         for shard in read.targets:
-            lo = np.maximum(first, shard.row_offset)
-            hi = np.minimum(last, shard.row_offset + shard.num_rows - 1)
+            lo = first.clip(min=shard.row_offset)
+            hi = last.clip(max=shard.row_offset + shard.num_rows - 1)
             overlap = hi >= lo
             span = hi - lo + 1
             given = [
