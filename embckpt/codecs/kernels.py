@@ -258,6 +258,15 @@ def _pack(codes: np.ndarray, cols: int, bits: int, out: np.ndarray, r: int) -> N
         for k in range((cols + 3) // 4):
             c = 4 * k
             out[r, k] = codes[c] | (codes[c + 1] << 2) | (codes[c + 2] << 4) | (codes[c + 3] << 6)
+    elif bits == 3:
+        # Eight codes fill three bytes; ``codes`` is zero past ``cols``, so whole groups only.
+        width = (cols * 3 + 7) // 8
+        for g in range((cols + 7) // 8):
+            word = np.int64(0)
+            for i in range(8):
+                word |= np.int64(codes[8 * g + i]) << (3 * i)
+            for k in range(min(3, width - 3 * g)):
+                out[r, 3 * g + k] = np.uint8((word >> (8 * k)) & 0xFF)
     else:
         word = np.int64(0)
         filled = 0
@@ -292,6 +301,9 @@ def dequantize(
         b64 = bias[r]
         s32 = _F32(s64)
         b32 = _F32(b64)
+        if bits == 3:
+            _decode_threes(fused, r, cols, s64, b64, s32, b32, wide, out)
+            continue
         for j in range(cols):
             if bits == 8:
                 q = np.int64(fused[r, j])
@@ -420,3 +432,42 @@ def pack_rows(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
     for r in range(codes.shape[0]):
         row[:cols] = codes[r]
         _pack(row, cols, bits, out, r)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _decode_threes(
+    fused: np.ndarray,
+    r: int,
+    cols: int,
+    s64: np.float64,
+    b64: np.float64,
+    s32: np.float32,
+    b32: np.float32,
+    wide: bool,
+    out: np.ndarray,
+) -> None:
+    """:func:`dequantize` of one row of 3-bit codes, eight at a time."""
+    whole = cols // 8
+    for g in range(whole):
+        # Three bytes hold eight 3-bit codes.
+        word = (
+            np.int64(fused[r, 3 * g])
+            | (np.int64(fused[r, 3 * g + 1]) << 8)
+            | (np.int64(fused[r, 3 * g + 2]) << 16)
+        )
+        for i in range(8):
+            q = (word >> (3 * i)) & 7
+            if wide:
+                out[r, 8 * g + i] = _F32(np.float64(q) * s64 + b64)
+            else:
+                out[r, 8 * g + i] = _F32(q) * s32 + b32
+    for j in range(8 * whole, cols):
+        at = 3 * j
+        q = np.int64(fused[r, at >> 3]) >> (at & 7)
+        if (at & 7) > 5:
+            q |= np.int64(fused[r, (at >> 3) + 1]) << (8 - (at & 7))
+        q &= 7
+        if wide:
+            out[r, j] = _F32(np.float64(q) * s64 + b64)
+        else:
+            out[r, j] = _F32(q) * s32 + b32
