@@ -3,7 +3,7 @@
 Format (version 2): the ``payload`` column is a Parquet list of ``cols`` floats per row, as
 ``floats.py`` describes (float32 and float64 rows as themselves, fp16 and bf16 rows as the
 float32 values they equal), BYTE_STREAM_SPLIT-encoded, through the selected entropy stage:
-``zstd`` by default, ``lz4`` or ``none``. ``huffman`` keeps the version-1 layout (each row's
+``none`` by default, ``zstd`` or ``lz4``. ``huffman`` keeps the version-1 layout (each row's
 bytes as they are in memory, Huffman-coded per byte position in a binary column). The file's
 metadata names the dtype. NaN and infinities are stored bit-exactly. Version-1 files (row bytes
 in a fixed-size binary column) still decode.
@@ -26,16 +26,17 @@ class RawCodec(StagedCodec):
     """Stores every row bit-exactly; the only codec a bit-identical resume can use.
 
     Args:
-        entropy: entropy stage over the rows (default ``zstd``: over byte-stream-split fp32
-            weights of a trained model it saves 17% of the bytes, while without the split it
-            saved 7%; ``raw`` in benchmarks/results/codecs.json).
+        entropy: entropy stage over the rows (default ``none``: the lossless full save must
+            keep pace with ``dcp.save``; ``zstd`` over byte-stream-split fp32 weights of a
+            trained model saves 17% of the bytes at about half the write speed; ``raw`` in
+            benchmarks/results/codecs.json).
     """
 
     codec_id = "raw"
     format_version = 2
     lossless = True
 
-    def __init__(self, entropy: str = "zstd") -> None:
+    def __init__(self, entropy: str = "none") -> None:
         super().__init__(entropy)
 
     def _options(self) -> dict[str, Any]:

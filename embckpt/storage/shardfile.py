@@ -77,7 +77,12 @@ def encode_file(
         "codec_meta": dict(encoded.metadata),
         "elem_meta": {name: dict(s.metadata) for name, s in elem_states.items()},
     }
-    table = pa.table(columns).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
+    # Every column is required (no row has nulls): Parquet stores no definition levels then.
+    schema = pa.schema(
+        [pa.field(name, values.type, nullable=False) for name, values in columns.items()],
+        metadata={_META_KEY: json.dumps(meta).encode()},
+    )
+    table = pa.Table.from_arrays(list(columns.values()), schema=schema)
     compression = {name: "none" for name in columns}
     compression.update(encoded.compression)
     for name, state in elem_states.items():
