@@ -284,6 +284,7 @@ class Checkpointer:
         if problem is not None:
             raise SaveError(problem)
         self.tracker.fold()
+        self._mark_moving_replicated_tables()
         local = [0.0, 0.0, 0.0]
         for shard in self.sharded.writer_shards():
             local[0] += self.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
@@ -312,13 +313,32 @@ class Checkpointer:
             decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
         return decision, dirty
 
+    def _mark_moving_replicated_tables(self) -> None:
+        """Marks every row of a data-parallel table whose dense optimizer moves rows that were
+        not looked up (momentum, weight decay): the lookups alone do not say which changed."""
+        moving = dense.moving_storages(dense.optimizer_parts(self.optimizer, self.model))
+        for shard in self.sharded.writer_shards():
+            if shard.sharding_type == "data_parallel" and shard.weight.data_ptr() in moving:
+                every = torch.arange(shard.num_rows, device=shard.weight.device)
+                for view in View:
+                    self.tracker.mark(shard.key, every, view)
+
     def _prepare_step_folder(self, step: int) -> str | None:
-        """Rank 0, before any rank writes: refuses a committed step, clears an interrupted one."""
+        """Rank 0, before any rank writes: refuses a committed step and a step older than a
+        committed one (the newer chain would stay "latest" and a later restore would silently
+        skip this one), clears an interrupted one."""
         if self.store.is_committed(step):
             return (
                 f"step {step}: {self.store.step_path(step, MANIFEST_NAME)} already exists; "
                 "a committed checkpoint is never overwritten (to resume from an older step "
                 "and drop the newer checkpoints, restore it with discard_newer=True)"
+            )
+        newer = [s for s in self.store.committed_steps() if s > step]
+        if newer:
+            return (
+                f"step {step}: {self.store.uri} already holds newer checkpoints (steps "
+                f"{', '.join(map(str, newer))}), which a restore would take over this one; to "
+                "resume from an older step and drop them, restore it with discard_newer=True"
             )
         try:
             if step in self.store.leftover_steps():

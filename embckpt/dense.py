@@ -201,6 +201,28 @@ def optimizer_parts(optimizer: Any | None, model: nn.Module) -> list[tuple[str, 
     return parts
 
 
+def moving_storages(parts: list[tuple[str, Any]]) -> set[int]:
+    """Storage addresses of the parameters a dense optimizer part can change without a
+    gradient: those with tensor state (momentum, Adam's moments) or weight decay.
+
+    A data-parallel table is updated by the dense optimizer, so its rows keep moving after a
+    lookup (momentum) or without one (weight decay): the touched-row bitmaps do not cover them,
+    and a diff must write such a table whole.
+    """
+    moving: set[int] = set()
+    for _, optimizer in parts:
+        for group in optimizer.param_groups:
+            decays = bool(group.get("weight_decay", 0))
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                stateful = any(
+                    isinstance(v, torch.Tensor) and v.numel() > 1 for v in state.values()
+                )
+                if decays or stateful:
+                    moving.add(param.data_ptr())
+    return moving
+
+
 def _leaves(optimizer: Any | None, prefix: str) -> list[tuple[str, Any]]:
     if optimizer is None:
         return []

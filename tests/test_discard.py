@@ -39,13 +39,15 @@ def _resume_older(rank: int, world_size: int, base: str) -> dict:
 
     with Checkpointer(model, "job", optimizer=opt, config=config, filesystem=fs) as ckpt:
         out["plain_restore"] = ckpt.restore(10)
-        try:
-            ckpt.save(20).wait()
-            out["save_error"] = None
-        except SaveError as exc:  # rank 0's own error
-            out["save_error"] = str(exc)
-        except Exception as exc:  # the other rank quotes it
-            out["save_error"] = str(exc)
+        for key, step in (("save_error", 20), ("older_save_error", 15)):
+            # 20 is committed; 15 is not, but 20 and 30 would still be "latest" over it.
+            try:
+                ckpt.save(step).wait()
+                out[key] = None
+            except SaveError as exc:  # rank 0's own error
+                out[key] = str(exc)
+            except Exception as exc:  # the other rank quotes it
+                out[key] = str(exc)
         out["restored"] = ckpt.restore(10, discard_newer=True)
         out["after_discard"] = ckpt.store.committed_steps()
         for step in range(11, 21):  # another path from step 10 than the first run took
@@ -80,6 +82,7 @@ def test_resume_from_an_older_step_discards_the_newer_ones(tmp_path: Path) -> No
         assert out["root"] == str(tmp_path / "job"), rank
         assert out["plain_restore"] == 10 and out["restored"] == 10, rank
         assert "discard_newer=True" in out["save_error"], (rank, out["save_error"])
+        assert "newer checkpoints (steps 20, 30)" in out["older_save_error"], (rank, out)
         assert out["after_discard"] == [10], rank
         assert out["latest"] == 20, rank
         assert out["diff_new"] == [], (rank, out["diff_new"])

@@ -23,7 +23,7 @@ def _save_full(rank: int, world_size: int, root: str) -> dict:
     from embckpt import CheckpointConfig, Checkpointer
 
     model, opt = tm.build(world_size, seed=0)
-    config = CheckpointConfig(policy="full", pipeline="off", row_group_rows=32)
+    config = CheckpointConfig(policy="full", pipeline="off", row_group_rows=32, entropy="zstd")
     with Checkpointer(model, f"{root}/ckpts", optimizer=opt, config=config) as ckpt:
         for step in range(1, STEP + 1):
             tm.train_step(model, opt, step, rank, hot=80)

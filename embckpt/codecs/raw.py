@@ -1,12 +1,21 @@
 """``raw``: lossless rows, stored bit-exactly in their own float type (fp32 by default).
 
-Format (version 2): the ``payload`` column is a Parquet list of ``cols`` floats per row, as
-``floats.py`` describes (float32 and float64 rows as themselves, fp16 and bf16 rows as the
-float32 values they equal), BYTE_STREAM_SPLIT-encoded, through the selected entropy stage:
-``none`` by default, ``zstd`` or ``lz4``. ``huffman`` keeps the version-1 layout (each row's
-bytes as they are in memory, Huffman-coded per byte position in a binary column). The file's
-metadata names the dtype. NaN and infinities are stored bit-exactly. Version-1 files (row bytes
-in a fixed-size binary column) still decode.
+Format (version 2), by entropy stage:
+
+* ``none`` (the default): each row's bytes as they are in memory, in a fixed-size binary
+  ``payload`` column (the version-1 layout). Parquet writes it at about 3 GB/s per core; a list
+  of floats, which Arrow writes with repetition levels for every value, at about 0.33 GB/s,
+  which alone made a lossless full save twice as slow as ``dcp.save`` (measured with
+  benchmarks/spine.py).
+* ``zstd`` and ``lz4``: a Parquet list of ``cols`` floats per row, as ``floats.py`` describes
+  (float32 and float64 rows as themselves, fp16 and bf16 rows as the float32 values they equal),
+  BYTE_STREAM_SPLIT-encoded, so DuckDB, pandas and Spark read rows as arrays of numbers, and the
+  compressor sees exponent bytes apart from mantissa bytes (17% smaller with zstd on trained
+  fp32 rows).
+* ``huffman``: the row bytes Huffman-coded per byte position in a binary column.
+
+The file's metadata names the dtype. NaN and infinities are stored bit-exactly. Every layout
+decodes whatever the entropy stage in force: the reader goes by the column's type.
 """
 
 from __future__ import annotations
@@ -27,8 +36,8 @@ class RawCodec(StagedCodec):
 
     Args:
         entropy: entropy stage over the rows (default ``none``: the lossless full save must
-            keep pace with ``dcp.save``; ``zstd`` over byte-stream-split fp32 weights of a
-            trained model saves 17% of the bytes at about half the write speed; ``raw`` in
+            keep pace with ``dcp.save``; ``zstd`` stores float arrays that query engines read,
+            17% smaller on trained weights, at a tenth of the write speed; ``raw`` in
             benchmarks/results/codecs.json).
     """
 
@@ -45,12 +54,11 @@ class RawCodec(StagedCodec):
     def encode(self, rows: torch.Tensor) -> EncodedRows:
         host = rows.detach().contiguous().cpu()
         meta = {"dtype": dtype_name(host.dtype)}
-        if self.entropy != "huffman":
-            hint = {PAYLOAD: self.entropy} if self.entropy != "none" else {}
+        if self.entropy in ("zstd", "lz4"):
             return EncodedRows(
                 columns={PAYLOAD: float_list_column(host)},
                 metadata={**meta, "entropy": self.entropy},
-                compression=hint,
+                compression={PAYLOAD: self.entropy},
             )
         payload = host.view(torch.uint8).numpy().reshape(host.shape[0], -1)
         tables = float_tables(payload.shape[1], host.element_size())
