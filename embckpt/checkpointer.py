@@ -314,14 +314,20 @@ class Checkpointer:
         return decision, dirty
 
     def _mark_moving_replicated_tables(self) -> None:
-        """Marks every row of a data-parallel table whose dense optimizer moves rows that were
-        not looked up (momentum, weight decay): the lookups alone do not say which changed."""
-        moving = dense.moving_storages(dense.optimizer_parts(self.optimizer, self.model))
+        """Marks the rows of data-parallel tables that their dense optimizer moves without a
+        lookup (non-zero momentum, or every row under weight decay): the lookups alone do not
+        say which changed."""
+        moving = dense.moving_rows(dense.optimizer_parts(self.optimizer, self.model))
         for shard in self.sharded.writer_shards():
-            if shard.sharding_type == "data_parallel" and shard.weight.data_ptr() in moving:
-                every = torch.arange(shard.num_rows, device=shard.weight.device)
-                for view in View:
-                    self.tracker.mark(shard.key, every, view)
+            if shard.sharding_type != "data_parallel" or shard.weight.data_ptr() not in moving:
+                continue
+            rows = moving[shard.weight.data_ptr()]
+            if rows is None:
+                marked = torch.arange(shard.num_rows, device=shard.weight.device)
+            else:
+                marked = torch.nonzero(rows).flatten()
+            for view in View:
+                self.tracker.mark(shard.key, marked, view)
 
     def _prepare_step_folder(self, step: int) -> str | None:
         """Rank 0, before any rank writes: refuses a committed step and a step older than a

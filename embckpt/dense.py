@@ -201,25 +201,32 @@ def optimizer_parts(optimizer: Any | None, model: nn.Module) -> list[tuple[str, 
     return parts
 
 
-def moving_storages(parts: list[tuple[str, Any]]) -> set[int]:
-    """Storage addresses of the parameters a dense optimizer part can change without a
-    gradient: those with tensor state (momentum, Adam's moments) or weight decay.
+def moving_rows(parts: list[tuple[str, Any]]) -> dict[int, torch.Tensor | None]:
+    """The rows a dense optimizer part can change without a gradient, per parameter (keyed by
+    storage address): rows whose state (momentum, Adam's moments) is non-zero, or every row
+    (None) under weight decay. Parameters with neither are left out.
 
-    A data-parallel table is updated by the dense optimizer, so its rows keep moving after a
-    lookup (momentum) or without one (weight decay): the touched-row bitmaps do not cover them,
-    and a diff must write such a table whole.
+    A data-parallel table is updated by the dense optimizer, so a row keeps moving after its
+    last lookup (momentum) or without one (weight decay): the touched-row bitmaps do not cover
+    it, and a diff must write it.
     """
-    moving: set[int] = set()
+    moving: dict[int, torch.Tensor | None] = {}
     for _, optimizer in parts:
         for group in optimizer.param_groups:
             decays = bool(group.get("weight_decay", 0))
             for param in group["params"]:
-                state = optimizer.state.get(param, {})
-                stateful = any(
-                    isinstance(v, torch.Tensor) and v.numel() > 1 for v in state.values()
-                )
-                if decays or stateful:
-                    moving.add(param.data_ptr())
+                if param.dim() != 2:
+                    continue
+                if decays:
+                    moving[param.data_ptr()] = None
+                    continue
+                rows = None
+                for value in optimizer.state.get(param, {}).values():
+                    if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                        nonzero = (value != 0).any(dim=1)
+                        rows = nonzero if rows is None else rows | nonzero
+                if rows is not None:
+                    moving[param.data_ptr()] = rows
     return moving
 
 

@@ -9,6 +9,7 @@ import random
 import shutil
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -138,13 +139,14 @@ def test_s3_save_restore_verify_and_lock(tmp_path: Path, monkeypatch: pytest.Mon
         query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
         fs, _ = pafs.FileSystem.from_uri(f"s3://ckpts?{query}&allow_bucket_creation=true")
         fs.create_dir("ckpts")
-        uri = f"s3://ckpts/job?{query}"
+        job = f"job-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server in-process
+        uri = f"s3://ckpts/{job}?{query}"
         locked = tmp_path / "locked"
         locked.mkdir()
         (locked / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": 1}))
         results = run_ranks(_save_restore_verify, 2, uri, str(locked))
         report = verify(CheckpointStore(uri))
-        objects = fs.get_file_info(pafs.FileSelector("ckpts/job", recursive=True))
+        objects = fs.get_file_info(pafs.FileSelector(f"ckpts/{job}", recursive=True))
     finally:
         server.stop()
     for rank, out in enumerate(results):
