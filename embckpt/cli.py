@@ -369,6 +369,8 @@ def _unlock(args: argparse.Namespace) -> int:
 
     directory = _directory(args)
     _store(directory)  # an unknown URI scheme is a usage error, not a traceback
+    if "://" not in directory and not Path(directory).is_dir():
+        raise UsageError(f"{directory}: no such directory")  # a typo, not "no lock"
     holder = unlock(directory)
     print(f"{directory}: " + (f"removed the lock of {holder}" if holder else "no lock"))
     return 0

@@ -286,3 +286,5 @@ def test_unlock_removes_a_held_lock_and_names_its_holder(
     (tmp_path / "file").write_text("x")
     assert main(["unlock", str(tmp_path / "file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    assert main(["unlock", str(tmp_path / "typo")]) == 2
+    assert "typo: no such directory" in capsys.readouterr().err
