@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import delta_codec  # noqa: F401  (registers test_delta)
 import numpy as np
 import pytest
 import torch
@@ -61,22 +62,6 @@ class Rowwise8Bit(Codec):
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
         packed = torch.from_numpy(fixed_binary_values(encoded.columns["payload"]).copy())
         return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(packed)
-
-
-@register_codec
-class AddedRaw(Codec):
-    """Stores rows as they are, but declares itself a delta codec: a reader must add them."""
-
-    codec_id = "test_delta"
-    delta = True
-
-    def encode(self, rows: torch.Tensor) -> EncodedRows:
-        data = rows.float().contiguous().view(torch.uint8).numpy()
-        return EncodedRows(columns={"payload": fixed_binary_column(data)})
-
-    def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
-        data = fixed_binary_values(encoded.columns["payload"]).copy()
-        return torch.from_numpy(data).view(torch.float32).reshape(-1, num_cols)
 
 
 class Counter:

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import delta_codec  # noqa: F401  (registers test_delta)
 import numpy as np
 import pytest
 import torch
 
-from embckpt.codecs import Codec, EncodedRows
-from embckpt.codecs.base import fixed_binary_column, fixed_binary_values, register
 from embckpt.read.reader import PhaseClock, apply_staged, plan_reads, read_into, stage
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
@@ -26,22 +25,6 @@ from embckpt.storage.shardfile import encode_file, index_file
 
 ROWS, COLS = 61, 8
 STATE = "momentum"
-
-
-@register
-class _AddedRaw(Codec):
-    """Rows stored as they are by a codec that declares itself a delta: a reader adds them."""
-
-    codec_id = "test_plan_delta"
-    delta = True
-
-    def encode(self, rows: torch.Tensor) -> EncodedRows:
-        data = rows.float().contiguous().view(torch.uint8).numpy()
-        return EncodedRows(columns={"payload": fixed_binary_column(data)})
-
-    def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
-        data = fixed_binary_values(encoded.columns["payload"]).copy()
-        return torch.from_numpy(data).view(torch.float32).reshape(-1, num_cols)
 
 
 def _cuts(rng: np.random.Generator, size: int, most: int) -> list[int]:
@@ -170,7 +153,7 @@ def test_newest_first_equals_chain_replay(tmp_path: Path, seed: int) -> None:
     length = int(rng.integers(1, 6))
     delta = seed % 3 == 2
     codecs = ["raw"] + [
-        "test_plan_delta" if delta and rng.random() < 0.7 else "raw" for _ in range(length - 1)
+        "test_delta" if delta and rng.random() < 0.7 else "raw" for _ in range(length - 1)
     ]
     written = _write_chain(tmp_path, rng, length, codecs, group_rows=int(rng.integers(2, 6)))
     store = CheckpointStore(tmp_path)
