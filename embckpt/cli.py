@@ -420,6 +420,12 @@ def _allow_empty(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embckpt",
@@ -458,9 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = _command(sub, "inspect", _inspect, "list checkpoints, tables, shards and leftovers")
     _directory_arguments(inspect)
-    inspect.add_argument(
-        "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
-    )
+    _json_output(inspect)
     _allow_empty(inspect)
 
     check = _command(sub, "verify", _verify, "check sizes, checksums and chains; exit 1 if bad")
@@ -468,9 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--step", type=_step, default=None, help="only this checkpoint and its chain"
     )
-    check.add_argument(
-        "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
-    )
+    _json_output(check)
     _allow_empty(check)
 
     report = _command(sub, "report", _report, "what each checkpoint cost and saved")

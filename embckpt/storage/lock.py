@@ -172,11 +172,7 @@ class DirectoryLock:
             if self._read() != owner:
                 raise DirectoryLockedError(f"{self.path}: another job took the lock at once")
             return
-        tmp = f"{self.path}.tmp-{owner['token']}"
-        with open(tmp, "wb") as out:
-            out.write(payload)
-            out.flush()
-            os.fsync(out.fileno())
+        tmp = _durable_file(f"{self.path}.tmp-{owner['token']}", payload)
         try:
             os.link(tmp, self.path)  # whole or absent; fails if a lock exists
         except FileExistsError:
@@ -218,12 +214,7 @@ class DirectoryLock:
             with self.fs.open_output_stream(self.path) as out:
                 out.write(payload)
             return
-        tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as out:
-            out.write(payload)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
+        os.replace(_durable_file(f"{self.path}.tmp-{uuid.uuid4().hex}", payload), self.path)
 
     # -- acquire, renew, check, release -----------------------------------------------------------
     def _refusal(self, found: dict[str, object], me: dict[str, object]) -> str | None:
@@ -382,3 +373,13 @@ def unlock(directory: str | Path, *, filesystem: pafs.FileSystem | None = None) 
         return None
     store.fs.delete_file(lock.path)
     return describe(found) if found else "an unreadable lock"
+
+
+def _durable_file(path: str, payload: bytes) -> str:
+    """Writes ``payload`` to a new local file and syncs it (before it is linked or renamed into
+    place, so the lock never appears half-written); returns ``path``."""
+    with open(path, "wb") as out:
+        out.write(payload)
+        out.flush()
+        os.fsync(out.fileno())
+    return path
