@@ -34,11 +34,9 @@ Committed files are immutable: rewriting one in place during a read is outside t
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,10 +49,10 @@ from embckpt.errors import CheckpointCorruptError
 from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, FileIndex, Manifest
+from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 from embckpt.storage.shardfile import CheckedFile, checked_whole, fetch_checked
 
 THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
-PHASES = ("plan", "fetch", "verify", "decode", "apply")
 
 
 def default_threads() -> int:
@@ -68,30 +66,10 @@ def default_threads() -> int:
     return min(8, max(1, (cores or 1) // local_ranks))
 
 
-class PhaseClock:
-    """Busy seconds of each phase (``PHASES``), summed over the threads that worked in it.
-
-    ``fetch`` is getting the bytes (for memory-mapped local files only the mapping: their
-    page-cache reads happen while verifying); ``verify`` the checksums and footer parsing;
-    ``decode`` Parquet and the codecs (the row ids while staging included); ``apply`` the
-    writes into the blocks.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-
-    def add(self, phase: str, seconds: float) -> None:
-        with self._lock:
-            self.seconds[phase] += seconds
-
-    @contextlib.contextmanager
-    def time(self, phase: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(phase, time.perf_counter() - started)
+# Restore phases (``RESTORE_PHASES``, thread-seconds): ``fetch`` is getting the bytes (for
+# memory-mapped local files only the mapping: their page-cache reads happen while verifying);
+# ``verify`` the checksums and footer parsing; ``decode`` Parquet and the codecs (the row ids
+# while staging included); ``apply`` the writes into the blocks.
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -381,7 +359,7 @@ def stage_file(
         CheckpointCorruptError: a byte range is missing, short or altered; names the file.
         UnknownCodecError: the file's codec is not one this reader knows.
     """
-    clock = clock or PhaseClock()
+    clock = clock or PhaseClock(RESTORE_PHASES)
     entry = read.entry
     path = store.step_path(read.step, entry.path)
     index = entry.partial_index
@@ -470,7 +448,7 @@ def stage(
     Returns:
         The staged files of each chain checkpoint (base first), and what was read.
     """
-    clock = clock or PhaseClock()
+    clock = clock or PhaseClock(RESTORE_PHASES)
     cost = ReadCost()
     bar = _progress_bar(sum(r.planned_bytes for r in reads), progress)
     coverage = Coverage(reads)
@@ -587,7 +565,7 @@ def apply_staged(
     Returns:
         Every piece of weights written (for the trackers).
     """
-    clock = clock or PhaseClock()
+    clock = clock or PhaseClock(RESTORE_PHASES)
     if not by_position:
         return []
     base = [_unmasked(file) for file in by_position[0]]

@@ -47,7 +47,6 @@ from embckpt.errors import (
     ModelMismatchError,
 )
 from embckpt.read.reader import (
-    PhaseClock,
     ReadCost,
     StagedFile,
     apply_staged,
@@ -60,6 +59,7 @@ from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 from embckpt.storage.manifest import Manifest
+from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def restore_checkpoint(
     staged: list[list[StagedFile]] = []
     cost = ReadCost()
     side: SideState | None = None
-    clock = PhaseClock()
+    clock = PhaseClock(RESTORE_PHASES)
     try:
         with clock.time("plan"):
             chain = read_chain(store, target)
@@ -201,7 +201,7 @@ def restore_checkpoint(
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
         diff_rows=tuple((p.shard.key, p.local_rows) for p in applied if p.from_diff),
-        phases=dict(clock.seconds),
+        phases=clock.seconds(),
     )
     log.info(
         "restored step %d (chain %s) in %.3f s: read %.1f MB of rows files for %.1f MB needed",
