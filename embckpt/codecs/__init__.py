@@ -8,13 +8,14 @@
 - ``adaptive``: as ``asymmetric``, over a clipping range searched per row (Check-N-Run).
 - ``kmeans``: codes into a codebook shared by the batch, fp16 scale and bias per row.
 - ``exponent``: sign/exponent bucket symbols of a delta (LC-Checkpoint); a ``delta`` codec.
+- ``delta``: a quantizer's diffs as per-row-width changes within the whole-row error budget.
 
 Every codec takes ``entropy`` (``none``, ``huffman``, ``zstd`` or ``lz4``), the stage that
 compresses its payload bytes; see ``common.py``. ``embckpt.save.codec_choice`` builds the codec
 a ``CheckpointConfig`` names (codecs know nothing of the configuration).
 """
 
-from embckpt.codecs import adaptive, exponent, floats, kmeans, uniform
+from embckpt.codecs import adaptive, delta, exponent, floats, kmeans, uniform
 from embckpt.codecs.base import (
     Codec,
     EncodedRows,
@@ -26,6 +27,7 @@ from embckpt.codecs.raw import RawCodec
 
 AdaptiveCodec = adaptive.AdaptiveCodec
 AsymmetricCodec = uniform.AsymmetricCodec
+DeltaCodec = delta.DeltaCodec
 Bf16Codec = floats.Bf16Codec
 ExponentCodec = exponent.ExponentCodec
 Fp16Codec = floats.Fp16Codec
@@ -38,6 +40,7 @@ __all__ = [
     "AsymmetricCodec",
     "Bf16Codec",
     "Codec",
+    "DeltaCodec",
     "EncodedRows",
     "ExponentCodec",
     "Fp16Codec",

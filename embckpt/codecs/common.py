@@ -127,7 +127,7 @@ class StagedCodec(Codec):
                 "huffman": tables,
                 "huffman_columns": huffman.column_runs(column_tables),
             }
-            return _binary_column(offsets, buffer), coded, {}
+            return binary_column(offsets, buffer), coded, {}
         meta: dict[str, Any] = {"entropy": self.entropy}
         hint = {PAYLOAD: self.entropy} if self.entropy in ("zstd", "lz4") else {}
         return fixed_binary_column(payload), meta, hint
@@ -152,7 +152,7 @@ class StagedCodec(Codec):
             columns = huffman.columns_from_runs(meta.get("huffman_columns"), len(tables))
             if len(columns) != width:
                 raise CodecError(f"Huffman tables cover {len(columns)} bytes, expected {width}")
-            offsets, buffer = _binary_buffers(column)
+            offsets, buffer = binary_buffers(column)
             return huffman.decode_rows(buffer, offsets, [str(t) for t in tables], columns)
         data = fixed_binary_values(column)
         if data.shape[1] != width:
@@ -174,7 +174,9 @@ def float_tables(width: int, itemsize: int) -> np.ndarray:
     return np.arange(width, dtype=np.int64) % itemsize
 
 
-def _binary_column(offsets: np.ndarray, buffer: np.ndarray) -> pa.Array:
+def binary_column(offsets: np.ndarray, buffer: np.ndarray) -> pa.Array:
+    """A variable-size binary column of rows ``buffer[offsets[i]:offsets[i + 1]]``, zero-copy
+    (large binary beyond 2 GiB)."""
     n = len(offsets) - 1
     if offsets[-1] < 2**31:
         return pa.BinaryArray.from_buffers(
@@ -185,7 +187,7 @@ def _binary_column(offsets: np.ndarray, buffer: np.ndarray) -> pa.Array:
     )
 
 
-def _binary_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def binary_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Offsets [n + 1] (int64) and the data buffer of a (large) binary array, zero-copy."""
     if column.null_count:
         raise CodecError("payload column has nulls")

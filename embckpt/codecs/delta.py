@@ -1,0 +1,199 @@
+"""``delta``: a diff's rows as their change since the checkpoint a restore starts from, each row
+at the narrowest width that restores it as well as a whole-row code would.
+
+Why: a row a diff writes has usually moved little since that checkpoint (the full's
+reconstruction, or the chain's for incremental diffs), so its change spans a far smaller range
+than the row itself. The change is taken against the *reconstruction* (error feedback, as
+LC-Checkpoint does), so it also carries the earlier code's own error and errors never pile up
+along a chain.
+
+Quality: ``bits`` stays the user's quality level. For every row the codec computes the squared
+l2 error a whole-row code of the inner codec at ``bits`` would leave (the row's budget), then
+gives the row the first width whose restored error is within it, trying in turn:
+
+- width 0: no codes at all, the row restores as its reference (when the reference is already
+  within budget, as it is for most rows a few steps after a checkpoint);
+- the inner codec on the change at 2, 3, 4 and 8 bits;
+- the change's own fp32 bytes (``RAW_BITS``), exact up to the rounding of the addition.
+
+So no row restores worse than a whole-row code at ``bits`` would (up to fp32 rounding), while
+most rows cost nothing or 2-bit codes (benchmarks/results/policies.json measures the mix).
+
+Format (version 1): ``payload`` is a variable-size binary column, one entry per row: empty for
+width 0, the inner codec's fixed-size ``payload`` entry (codes, then scale and bias) for widths
+2-8, or the fp32 change (little-endian, ``cols`` values) for ``RAW_BITS``. The length of an
+entry tells its width: the file's metadata ``widths`` lists ``[bits, length]`` for every width
+present (lengths distinct, checked when encoding) and ``parts`` the inner codec's metadata of
+each width (``{str(bits): metadata}``: parameter dtype, k-means codebook). The codec config
+holds ``inner``, the whole-row codec's config, and ``entropy``: Parquet's compression of the
+column (``none``, ``zstd`` or ``lz4``; variable lengths rule out fixed-size Huffman tables).
+Decoding adds nothing by itself: it returns the change, which the reader adds (``delta = True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from embckpt.codecs.base import (
+    Codec,
+    EncodedRows,
+    codec_from_config,
+    fixed_binary_column,
+    fixed_binary_values,
+    register,
+)
+from embckpt.codecs.common import PAYLOAD, binary_buffers, binary_column, float_rows
+from embckpt.errors import CodecError, ConfigError
+
+#: Widths tried for a row's change, narrowest first; ``RAW_BITS`` is the change's fp32 bytes.
+CODE_WIDTHS = (2, 3, 4, 8)
+RAW_BITS = 32
+DELTA_ENTROPY = ("none", "zstd", "lz4")
+
+
+@register
+class DeltaCodec(Codec):
+    """Per-row-width deltas of a quantizing codec, within the whole-row error budget.
+
+    Args:
+        inner: config of the whole-row codec (``get_config()`` of ``asymmetric``,
+            ``symmetric``, ``adaptive`` or ``kmeans``); its ``bits`` is the quality level.
+        entropy: Parquet compression of the payload column: ``none``, ``zstd`` or ``lz4``.
+    """
+
+    codec_id = "delta"
+    format_version = 1
+    delta = True
+
+    def __init__(self, inner: Mapping[str, Any], entropy: str = "zstd") -> None:
+        if entropy not in DELTA_ENTROPY:
+            raise ConfigError(f"codec 'delta': entropy must be one of {DELTA_ENTROPY}")
+        self.whole = codec_from_config(inner)
+        if self.whole.delta or self.whole.lossless or not hasattr(self.whole, "bits"):
+            raise ConfigError(
+                f"codec 'delta': inner codec {inner.get('id')!r} is not a whole-row quantizer"
+            )
+        self.inner = dict(self.whole.get_config())
+        self.bits: int = self.whole.bits  # type: ignore[attr-defined]
+        self.entropy = entropy
+        self._widths: dict[int, Codec] = {}
+
+    def _options(self) -> dict[str, Any]:
+        return {"inner": self.inner, "entropy": self.entropy}
+
+    def _width_codec(self, bits: int) -> Codec:
+        """The inner codec at ``bits``, entropy stage off (the column is compressed whole)."""
+        codec = self._widths.get(bits)
+        if codec is None:
+            codec = codec_from_config({**self.inner, "bits": bits, "entropy": "none"})
+            self._widths[bits] = codec
+        return codec
+
+    def encode(self, rows: torch.Tensor) -> EncodedRows:
+        """Rows against a zero reference: each row at the narrowest width within budget."""
+        return self.encode_delta(rows, torch.zeros_like(rows, dtype=torch.float32))
+
+    def encode_delta(self, live: torch.Tensor, reference: torch.Tensor) -> EncodedRows:
+        """Encodes ``live - reference`` [n, cols], each row at the narrowest width whose
+        restored error stays within what a whole-row code of ``live`` at ``bits`` leaves."""
+        x = float_rows(live, self.codec_id)
+        change = x - reference.to(x.device, torch.float32)
+        n, cols = x.shape
+        whole = self._width_codec(self.bits)
+        budget = _squared_error(whole, x, cols)
+        width = np.full(n, -1, dtype=np.int64)
+        width[(_sq_norm(change) <= budget).cpu().numpy()] = 0
+        groups: dict[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]] = {}
+        for bits in CODE_WIDTHS:
+            todo = np.flatnonzero(width < 0)
+            if not len(todo):
+                break
+            codec = self._width_codec(bits)
+            index = torch.from_numpy(todo).to(x.device)
+            part = change.index_select(0, index)
+            encoded = codec.encode(part)
+            decoded = codec.decode(encoded, cols).to(x.device)
+            ok = (_sq_norm(decoded - part) <= budget.index_select(0, index)).cpu().numpy()
+            if ok.any():
+                width[todo[ok]] = bits
+                data = fixed_binary_values(encoded.columns[PAYLOAD])[ok]
+                groups[bits] = (todo[ok], data, dict(encoded.metadata))
+        rest = np.flatnonzero(width < 0)
+        if len(rest):
+            width[rest] = RAW_BITS
+            exact = change.index_select(0, torch.from_numpy(rest).to(x.device)).cpu().numpy()
+            groups[RAW_BITS] = (rest, exact.astype("<f4").view(np.uint8), {})
+        return self._pack(n, groups)
+
+    def _pack(
+        self, n: int, groups: Mapping[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]]
+    ) -> EncodedRows:
+        """One binary entry per row, each group's rows scattered to their places in row order."""
+        lengths = np.zeros(n, dtype=np.int64)
+        for rows, data, _ in groups.values():
+            lengths[rows] = data.shape[1]
+        widths = sorted((bits, int(data.shape[1])) for bits, (_, data, _) in groups.items())
+        if len({length for _, length in widths}) != len(widths) or any(w == 0 for _, w in widths):
+            raise CodecError(f"codec 'delta': widths {widths} do not have distinct lengths")
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        buffer = np.empty(int(offsets[-1]), dtype=np.uint8)
+        for rows, data, _ in groups.values():
+            positions = offsets[rows][:, None] + np.arange(data.shape[1])
+            buffer[positions] = data
+        meta = {
+            "widths": [list(w) for w in widths],
+            "parts": {str(bits): m for bits, (_, _, m) in groups.items() if bits != RAW_BITS},
+        }
+        hint = {PAYLOAD: self.entropy} if self.entropy != "none" else {}
+        return EncodedRows({PAYLOAD: binary_column(offsets, buffer)}, meta, hint)
+
+    def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
+        column = encoded.columns[PAYLOAD]
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+            raise CodecError("delta payload is not a binary column")
+        offsets, buffer = binary_buffers(column)
+        lengths = np.diff(offsets)
+        meta = encoded.metadata
+        widths = {int(length): int(bits) for bits, length in meta.get("widths", [])}
+        out = torch.zeros((len(lengths), num_cols), dtype=torch.float32)
+        unknown = np.setdiff1d(np.unique(lengths[lengths > 0]), list(widths))
+        if len(unknown):
+            raise CodecError(f"delta rows of {unknown.tolist()} bytes match no width {widths}")
+        for length, bits in widths.items():
+            rows = np.flatnonzero(lengths == length)
+            if not len(rows):
+                continue
+            data = buffer[offsets[rows][:, None] + np.arange(length)]
+            if bits == RAW_BITS:
+                values = torch.from_numpy(data.view("<f4").astype(np.float32))
+            else:
+                part = EncodedRows({PAYLOAD: fixed_binary_column(data)}, meta["parts"][str(bits)])
+                values = self._width_codec(bits).decode(part, num_cols)
+            out[torch.from_numpy(rows)] = values.float()
+        return out
+
+
+def deltas_for(codec: Codec, entropy: str) -> DeltaCodec | None:
+    """The delta codec of a whole-row quantizer (None for codecs that are not one: lossless,
+    16-bit floats, or already deltas)."""
+    if codec.delta or codec.lossless or not hasattr(codec, "bits") or codec.codec_id == "delta":
+        return None
+    return DeltaCodec(codec.get_config(), entropy if entropy in DELTA_ENTROPY else "zstd")
+
+
+def _sq_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.square().sum(dim=1)
+
+
+def _squared_error(codec: Codec, x: torch.Tensor, cols: int) -> torch.Tensor:
+    """Each row's squared l2 error under ``codec`` (on ``x``'s device)."""
+    decoded = codec.decode(codec.encode(x), cols).to(x.device)
+    return _sq_norm(decoded - x)
