@@ -8,6 +8,7 @@
 - ``adaptive``: as ``asymmetric``, over a clipping range searched per row (Check-N-Run).
 - ``kmeans``: codes into a codebook shared by the batch, fp16 scale and bias per row.
 - ``exponent``: sign/exponent bucket symbols of a delta (LC-Checkpoint); a ``delta`` codec.
+- ``log8``: one byte per value on a log2 grid, for optimizer state (``optimizer_codec``).
 - ``delta``: a quantizer's diffs as per-row-width changes within the whole-row error budget.
 
 Every codec takes ``entropy`` (``none``, ``huffman``, ``zstd`` or ``lz4``), the stage that
@@ -15,7 +16,7 @@ compresses its payload bytes; see ``common.py``. ``embckpt.save.codec_choice`` b
 a ``CheckpointConfig`` names (codecs know nothing of the configuration).
 """
 
-from embckpt.codecs import adaptive, delta, exponent, floats, kmeans, uniform
+from embckpt.codecs import adaptive, delta, exponent, floats, kmeans, log8, uniform
 from embckpt.codecs.base import (
     Codec,
     EncodedRows,
@@ -32,6 +33,7 @@ Bf16Codec = floats.Bf16Codec
 ExponentCodec = exponent.ExponentCodec
 Fp16Codec = floats.Fp16Codec
 KMeansCodec = kmeans.KMeansCodec
+Log8Codec = log8.Log8Codec
 SymmetricCodec = uniform.SymmetricCodec
 
 
@@ -45,6 +47,7 @@ __all__ = [
     "ExponentCodec",
     "Fp16Codec",
     "KMeansCodec",
+    "Log8Codec",
     "RawCodec",
     "SymmetricCodec",
     "codec_from_config",

@@ -18,7 +18,8 @@ dtypes), so encoded bytes are only ever decoded under the metadata of the file t
    ``apply_staged`` into a zeroed block of the table's dtype, the code path of a restore), and
    those rows are stored with the lossless ``raw`` codec in that dtype. Optimizer states are
    never deltas (element-wise states of a delta state codec are refused), so a row's row-wise
-   and element-wise states are always the winner's, copied as encoded;
+   and element-wise states are always the winner's, copied as encoded (a row-wise state under a
+   lossy state codec, ``log8``, included: quantized once, when it was saved);
 4. one merged file per (block, source file that still wins rows), each with a fresh row-group
    index, so partial reads still work; dense and per-rank files are kept as they are.
 
@@ -62,6 +63,7 @@ from embckpt.storage.manifest import (
 )
 from embckpt.storage.shardfile import (
     ELEM_STATE_PREFIX,
+    STATE_PREFIX,
     RowBlock,
     decode_file,
     encode_file,
@@ -69,7 +71,8 @@ from embckpt.storage.shardfile import (
 )
 
 _BlockKey = tuple[str, int, int, int, int]
-_FILE_META = ("codec_meta", "elem_meta")  # rebuilt by encode_file from the encoded columns
+# Rebuilt by encode_file from the encoded columns.
+_FILE_META = ("codec_meta", "elem_meta", "state_meta")
 
 
 @dataclasses.dataclass
@@ -334,19 +337,24 @@ def _encode_winners(
         columns = {name: col.take(take) for name, col in block.encoded.columns.items()}
         kept = {c: source.compression[c] for c in columns}
         encoded = EncodedRows(columns=columns, metadata=block.encoded.metadata, compression=kept)
-    elem_states = {
-        name: EncodedRows(
-            columns={col: values.take(take) for col, values in state.columns.items()},
-            metadata=state.metadata,
-        )
-        for name, state in block.elem_states.items()
+    elem_states = {name: _take(state, take) for name, state in block.elem_states.items()}
+    state_compression = {
+        c: v
+        for c, v in source.compression.items()
+        if c.startswith((ELEM_STATE_PREFIX, STATE_PREFIX))
     }
-    elem_compression = {
-        c: v for c, v in source.compression.items() if c.startswith(ELEM_STATE_PREFIX)
+    encoded = dataclasses.replace(encoded, compression={**encoded.compression, **state_compression})
+    row_states = {
+        name: values[picked] if isinstance(values, np.ndarray) else _take(values, take)
+        for name, values in block.row_states.items()
     }
-    encoded = dataclasses.replace(encoded, compression={**encoded.compression, **elem_compression})
-    row_states = {name: values[picked] for name, values in block.row_states.items()}
     return encode_file(block.rows[picked], encoded, row_states, elem_states, meta, row_group_rows)
+
+
+def _take(state: EncodedRows, take: pa.Array) -> EncodedRows:
+    """The rows ``take`` of an encoded optimizer state, still encoded, under its metadata."""
+    columns = {col: values.take(take) for col, values in state.columns.items()}
+    return EncodedRows(columns=columns, metadata=state.metadata)
 
 
 def _delete_unlisted(store: CheckpointStore, manifest: Manifest) -> None:

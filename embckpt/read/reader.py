@@ -50,7 +50,12 @@ from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, FileIndex, Manifest
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
-from embckpt.storage.shardfile import CheckedFile, checked_whole, fetch_checked
+from embckpt.storage.shardfile import (
+    CheckedFile,
+    checked_whole,
+    fetch_checked,
+    row_state_values,
+)
 
 THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
 
@@ -624,6 +629,7 @@ def _apply_file(staged: StagedFile, clock: PhaseClock) -> tuple[list[Applied], l
                 name: staged.state_codec.decode(encoded, entry.shard_cols)
                 for name, encoded in block.elem_states.items()
             }
+            row_states = row_state_values(block, staged.state_codec)
             clock.add("decode", time.perf_counter() - started)
             started = time.perf_counter()
             for shard, keep, (a, b) in zip(read.targets, keeps, spans, strict=True):
@@ -644,7 +650,7 @@ def _apply_file(staged: StagedFile, clock: PhaseClock) -> tuple[list[Applied], l
                             _put(piece, taken, shard.elem_states[name], add_elem)
                     pieces.append(piece)
                 m = None if keep.states is None else keep.states[a - keep.first : b - keep.first]
-                if block.row_states and (m is None or m.any()):
+                if row_states and (m is None or m.any()):
                     col_lo, col_hi = read.columns(shard)
                     state_pieces.append(
                         _StatePiece(
@@ -656,7 +662,7 @@ def _apply_file(staged: StagedFile, clock: PhaseClock) -> tuple[list[Applied], l
                                 name: np.asarray(values[a - at : b - at])[
                                     m if m is not None else slice(None)
                                 ]
-                                for name, values in block.row_states.items()
+                                for name, values in row_states.items()
                                 if name in shard.row_states
                             },
                         )

@@ -17,7 +17,7 @@ from embckpt.save.snapshot import StagedUnit
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import timed
-from embckpt.storage.shardfile import encode_file, index_file
+from embckpt.storage.shardfile import encode_file, index_file, row_state_columns
 from embckpt.tracking import View
 
 
@@ -96,7 +96,7 @@ class RowFileWriter:
             data = encode_file(
                 rows=global_rows,
                 encoded=encoded,
-                row_states={n: t.cpu().numpy() for n, t in block.row_states.items()},
+                row_states=row_state_columns(self.state_codec, block.row_states),
                 elem_states={n: self.state_codec.encode(t) for n, t in block.elem_states.items()},
                 metadata={
                     "table": shard.table,

@@ -2,11 +2,14 @@
 
 Columns: ``row`` (int64 global row id, the only column with statistics, so a reader selects a
 row range from row-group statistics alone), the codec's columns (``payload`` and any per-row
-parameters), and ``state.<name>`` for each optimizer state. The file's key-value metadata
-``embckpt`` holds the codec config and the block's shape. Encodings: no dictionary (row payloads
-never repeat), delta-coded row ids, BYTE_STREAM_SPLIT float lists (``raw``, ``fp16``, ``bf16``
-payloads and element-wise optimizer state), plain for the rest, no generic compression unless
-the codec asks for it; pyarrow's defaults measured about 5x slower to write on such files.
+parameters), ``state.<name>`` for each row-wise optimizer state (its values; under a lossy state
+codec ``state.<name>.<column>``, the state encoded as a batch [rows, 1]) and
+``elem.<name>.<column>`` for each element-wise one. The file's key-value metadata ``embckpt``
+holds the codec configs, what they need to decode and the block's shape. Encodings: no
+dictionary (row payloads never repeat), delta-coded row ids, BYTE_STREAM_SPLIT float lists
+(``raw``, ``fp16``, ``bf16`` payloads and element-wise optimizer state), plain for the rest, no
+generic compression unless the codec asks for it; pyarrow's defaults measured about 5x slower
+to write on such files.
 
 Partial reads: :func:`index_file` records, at write time, the byte range and CRC32C of every
 row group and of the footer (the manifest keeps them, see ``FileIndex``), and combines them into
@@ -21,16 +24,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embckpt.codecs.base import EncodedRows
-from embckpt.errors import CheckpointCorruptError
+from embckpt.codecs.base import Codec, EncodedRows
+from embckpt.errors import CheckpointCorruptError, ConfigError
 from embckpt.storage import checksum as checksums
 from embckpt.storage.manifest import FileIndex, RowGroupEntry
+
+if TYPE_CHECKING:
+    import torch
 
 ROW_COLUMN = "row"
 STATE_PREFIX = "state."
@@ -47,36 +53,86 @@ Fetch = Callable[[int, int], "pa.Buffer | bytes"]
 
 @dataclass(frozen=True)
 class RowBlock:
-    """Rows read back from a file: global ids, the codec's columns, optimizer states, metadata."""
+    """Rows read back from a file: global ids, the codec's columns, optimizer states, metadata.
+
+    ``row_states`` are as stored (values, or encoded): :func:`row_state_values` decodes them.
+    """
 
     rows: np.ndarray
     encoded: EncodedRows
-    row_states: Mapping[str, np.ndarray]
+    row_states: Mapping[str, np.ndarray | EncodedRows]
     elem_states: Mapping[str, EncodedRows]
     metadata: Mapping[str, Any]
+
+
+def row_state_columns(
+    codec: Codec, states: Mapping[str, torch.Tensor]
+) -> dict[str, np.ndarray | EncodedRows]:
+    """Row-wise states [rows] as :func:`encode_file` stores them under state codec ``codec``.
+
+    A lossless codec keeps the values as they are (the plain ``state.<name>`` column every
+    file had before state codecs applied to row-wise states, 4 bytes a row in fp32); any other
+    encodes each state as a batch [rows, 1] (``log8``: 1 byte a row).
+
+    Raises:
+        ConfigError: ``codec`` is a delta codec: a reader copies row-wise states (or averages
+            them across column blocks), it never adds them to older ones.
+    """
+    if codec.lossless:
+        return {name: values.cpu().numpy() for name, values in states.items()}
+    if codec.delta and states:
+        raise ConfigError(
+            f"optimizer_codec {codec.codec_id!r} is a delta codec; row-wise optimizer states "
+            f"({', '.join(sorted(states))}) are restored by copying, never added: use a "
+            "lossless codec or 'log8'"
+        )
+    return {name: codec.encode(values.reshape(-1, 1)) for name, values in states.items()}
+
+
+def row_state_values(block: RowBlock, codec: Codec) -> dict[str, np.ndarray]:
+    """A block's row-wise states as values [rows], the encoded ones decoded by ``codec`` (the
+    file's state codec)."""
+    return {
+        name: values
+        if isinstance(values, np.ndarray)
+        else codec.decode(values, 1).reshape(-1).numpy()
+        for name, values in block.row_states.items()
+    }
 
 
 def encode_file(
     rows: np.ndarray,
     encoded: EncodedRows,
-    row_states: Mapping[str, np.ndarray],
+    row_states: Mapping[str, np.ndarray | EncodedRows],
     elem_states: Mapping[str, EncodedRows],
     metadata: Mapping[str, Any],
     row_group_rows: int,
 ) -> pa.Buffer:
-    """Builds one Parquet file in memory and returns its bytes."""
+    """Builds one Parquet file in memory and returns its bytes.
+
+    ``row_states`` holds each row-wise state's values, or its encoded batch
+    (:func:`row_state_columns`); the encoded ones' metadata goes to ``state_meta``, which
+    files without any lack (their bytes are what they were before).
+    """
     columns: dict[str, pa.Array] = {ROW_COLUMN: pa.array(rows, type=pa.int64())}
     columns.update(encoded.columns)
+    coded_states: dict[str, EncodedRows] = {}
     for name, values in row_states.items():
-        columns[STATE_PREFIX + name] = pa.array(values)
-    for name, state in elem_states.items():
-        for col, values in state.columns.items():
-            columns[f"{ELEM_STATE_PREFIX}{name}.{col}"] = values
+        if isinstance(values, EncodedRows):
+            coded_states[name] = values
+        else:
+            columns[STATE_PREFIX + name] = pa.array(values)
+    coded = {STATE_PREFIX: coded_states, ELEM_STATE_PREFIX: elem_states}
+    for prefix, states in coded.items():
+        for name, state in states.items():
+            columns.update({f"{prefix}{name}.{col}": v for col, v in state.columns.items()})
     meta = {
         **metadata,
         "codec_meta": dict(encoded.metadata),
         "elem_meta": {name: dict(s.metadata) for name, s in elem_states.items()},
     }
+    if coded_states:
+        meta["state_meta"] = {name: dict(s.metadata) for name, s in coded_states.items()}
     # Every column is required (no row has nulls): Parquet stores no definition levels then.
     schema = pa.schema(
         [pa.field(name, values.type, nullable=False) for name, values in columns.items()],
@@ -85,10 +141,9 @@ def encode_file(
     table = pa.Table.from_arrays(list(columns.values()), schema=schema)
     compression = {name: "none" for name in columns}
     compression.update(encoded.compression)
-    for name, state in elem_states.items():
-        compression.update(
-            {f"{ELEM_STATE_PREFIX}{name}.{col}": c for col, c in state.compression.items()}
-        )
+    for prefix, states in coded.items():
+        for name, state in states.items():
+            compression.update({f"{prefix}{name}.{col}": c for col, c in state.compression.items()})
     compression = {_leaf(n, table.schema.field(n).type): c for n, c in compression.items()}
     options: dict[str, Any] = {
         "row_group_size": row_group_rows,
@@ -361,14 +416,17 @@ def _row_block(table: pa.Table | pa.RecordBatch, meta: Mapping[str, Any]) -> Row
         for n in names
         if n != ROW_COLUMN and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
     }
-    row_states = {
-        n[len(STATE_PREFIX) :]: table[n].to_numpy() for n in names if n.startswith(STATE_PREFIX)
+    coded_states = _coded_states(table, STATE_PREFIX, meta.get("state_meta", {}))
+    coded_columns = {
+        f"{STATE_PREFIX}{name}.{col}" for name, s in coded_states.items() for col in s.columns
     }
-    elem_states: dict[str, EncodedRows] = {}
-    for name, state_meta in meta.get("elem_meta", {}).items():
-        prefix = f"{ELEM_STATE_PREFIX}{name}."
-        cols = {n[len(prefix) :]: table[n] for n in names if n.startswith(prefix)}
-        elem_states[name] = EncodedRows(columns=cols, metadata=state_meta)
+    row_states: dict[str, np.ndarray | EncodedRows] = {
+        n[len(STATE_PREFIX) :]: table[n].to_numpy()
+        for n in names
+        if n.startswith(STATE_PREFIX) and n not in coded_columns
+    }
+    row_states.update(coded_states)
+    elem_states = _coded_states(table, ELEM_STATE_PREFIX, meta.get("elem_meta", {}))
     return RowBlock(
         rows=table[ROW_COLUMN].to_numpy(),
         encoded=EncodedRows(columns=codec_cols, metadata=meta.get("codec_meta", {})),
@@ -376,6 +434,18 @@ def _row_block(table: pa.Table | pa.RecordBatch, meta: Mapping[str, Any]) -> Row
         elem_states=elem_states,
         metadata=meta,
     )
+
+
+def _coded_states(
+    table: pa.Table | pa.RecordBatch, prefix: str, metas: Mapping[str, Any]
+) -> dict[str, EncodedRows]:
+    """The encoded states of a block (``<prefix><name>.<column>``), one per ``metas`` entry."""
+    states = {}
+    for name, state_meta in metas.items():
+        start = f"{prefix}{name}."
+        cols = {n[len(start) :]: table[n] for n in table.schema.names if n.startswith(start)}
+        states[name] = EncodedRows(columns=cols, metadata=state_meta)
+    return states
 
 
 def _chunk_end(column: Any) -> int:
