@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import yaml
 
 from embckpt.codecs import Codec, make_codec
+from embckpt.codecs.delta import deltas_for
 from embckpt.errors import ConfigError
 from embckpt.policy import make_policy
 from embckpt.units import parse_duration, parse_size
@@ -51,7 +52,14 @@ class CheckpointConfig:
         entropy: entropy stage over the codes: ``none``, ``huffman``, ``zstd`` or ``lz4``;
             ``auto`` keeps the codec's own default (the stage measured best for it).
         codec_options: extra settings passed to the codec.
-        optimizer_codec: codec of row-wise optimizer state (lossless by default).
+        diff_deltas: diffs of a quantizing codec (``asymmetric``, ``symmetric``, ``adaptive``,
+            ``kmeans``) hold each row's change since what a restore starts from, every row at
+            the narrowest width (none at all, 2 to 8 bits, or fp32) that restores it within
+            the error a whole-row code at ``bits`` would leave (``codecs/delta.py``); fulls
+            keep whole rows. The writer keeps the last full's encoded rows in host memory to
+            take changes against. False: diffs hold whole rows, as fulls do.
+        optimizer_codec: codec of the optimizer state kept with the rows (row-wise and
+            element-wise; lossless by default; ``log8``: one byte per value).
         base_codec: codec of full checkpoints when ``codec`` is a delta codec (``exponent``):
             deltas need a base to be deltas against.
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
@@ -80,6 +88,7 @@ class CheckpointConfig:
     bits: int | None = None
     entropy: str = "auto"
     codec_options: Mapping[str, Any] = field(default_factory=dict)
+    diff_deltas: bool = True
     optimizer_codec: str = "raw"
     base_codec: str = "raw"
     row_group_rows: int = 65536
@@ -244,7 +253,8 @@ def codec_for(config: CheckpointConfig) -> Codec:
     ``config.codec`` names the codec; ``config.codec_options`` are its keyword options;
     ``config.bits`` and ``config.entropy`` (unless ``"auto"``) are added to them as ``bits`` and
     ``entropy``. ``entropy="auto"`` leaves the codec's own default: the stage measured best for
-    it (see each codec's signature and benchmarks/results/codecs.json).
+    it (see each codec's signature and benchmarks/results/codecs.json). With ``diff_deltas``,
+    a quantizing codec comes wrapped in its ``delta`` codec, which writes fulls with it.
 
     Raises:
         ConfigError: ``bits`` or ``entropy`` conflict with the same key in ``codec_options``, or
@@ -262,4 +272,7 @@ def codec_for(config: CheckpointConfig) -> Codec:
                 f"codec_options[{name!r}]={options[name]!r}"
             )
         options[name] = value
-    return make_codec(config.codec, options)
+    codec = make_codec(config.codec, options)
+    if config.diff_deltas:
+        return deltas_for(codec, config.entropy) or codec
+    return codec

@@ -48,6 +48,7 @@ from embckpt.codecs.base import (
     register,
 )
 from embckpt.codecs.common import PAYLOAD, binary_buffers, binary_column, float_rows
+from embckpt.codecs.packing import packed_width
 from embckpt.errors import CodecError, ConfigError
 
 #: Widths tried for a row's change, narrowest first; ``RAW_BITS`` is the change's fp32 bytes.
@@ -62,18 +63,21 @@ class DeltaCodec(Codec):
 
     Args:
         inner: config of the whole-row codec (``get_config()`` of ``asymmetric``,
-            ``symmetric``, ``adaptive`` or ``kmeans``); its ``bits`` is the quality level.
+            ``symmetric``, ``adaptive`` or ``kmeans``).
         entropy: Parquet compression of the payload column: ``none``, ``zstd`` or ``lz4``.
+        bits: the quality level, the whole-row code's width (default: ``inner``'s).
     """
 
     codec_id = "delta"
     format_version = 1
     delta = True
 
-    def __init__(self, inner: Mapping[str, Any], entropy: str = "zstd") -> None:
+    def __init__(
+        self, inner: Mapping[str, Any], entropy: str = "zstd", bits: int | None = None
+    ) -> None:
         if entropy not in DELTA_ENTROPY:
             raise ConfigError(f"codec 'delta': entropy must be one of {DELTA_ENTROPY}")
-        self.whole = codec_from_config(inner)
+        self.whole = codec_from_config({**inner, **({} if bits is None else {"bits": bits})})
         if self.whole.delta or self.whole.lossless or not hasattr(self.whole, "bits"):
             raise ConfigError(
                 f"codec 'delta': inner codec {inner.get('id')!r} is not a whole-row quantizer"
@@ -84,7 +88,7 @@ class DeltaCodec(Codec):
         self._widths: dict[int, Codec] = {}
 
     def _options(self) -> dict[str, Any]:
-        return {"inner": self.inner, "entropy": self.entropy}
+        return {"inner": self.inner, "entropy": self.entropy, "bits": self.bits}
 
     def _width_codec(self, bits: int) -> Codec:
         """The inner codec at ``bits``, entropy stage off (the column is compressed whole)."""
@@ -109,7 +113,8 @@ class DeltaCodec(Codec):
         width = np.full(n, -1, dtype=np.int64)
         width[(_sq_norm(change) <= budget).cpu().numpy()] = 0
         groups: dict[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]] = {}
-        for bits in CODE_WIDTHS:
+        seen_lengths = {0}
+        for bits in _code_widths(cols):
             todo = np.flatnonzero(width < 0)
             if not len(todo):
                 break
@@ -119,10 +124,13 @@ class DeltaCodec(Codec):
             encoded = codec.encode(part)
             decoded = codec.decode(encoded, cols).to(x.device)
             ok = (_sq_norm(decoded - part) <= budget.index_select(0, index)).cpu().numpy()
-            if ok.any():
+            data = fixed_binary_values(encoded.columns[PAYLOAD])
+            # A length already taken (parameters widened to fp32 for this batch) would make
+            # the widths ambiguous: such rows go on to the next width, fp32 at the latest.
+            if ok.any() and data.shape[1] not in seen_lengths:
                 width[todo[ok]] = bits
-                data = fixed_binary_values(encoded.columns[PAYLOAD])[ok]
-                groups[bits] = (todo[ok], data, dict(encoded.metadata))
+                groups[bits] = (todo[ok], data[ok], dict(encoded.metadata))
+                seen_lengths.add(data.shape[1])
         rest = np.flatnonzero(width < 0)
         if len(rest):
             width[rest] = RAW_BITS
@@ -189,8 +197,19 @@ def deltas_for(codec: Codec, entropy: str) -> DeltaCodec | None:
     return DeltaCodec(codec.get_config(), entropy if entropy in DELTA_ENTROPY else "zstd")
 
 
+def _code_widths(cols: int) -> list[int]:
+    """The code widths worth trying for rows of ``cols`` values: of widths that pack into the
+    same number of bytes (short rows), only the widest, which is the most exact at that size."""
+    return [
+        bits
+        for i, bits in enumerate(CODE_WIDTHS)
+        if all(packed_width(cols, bits) < packed_width(cols, w) for w in CODE_WIDTHS[i + 1 :])
+    ]
+
+
 def _sq_norm(x: torch.Tensor) -> torch.Tensor:
-    return x.square().sum(dim=1)
+    # vector_norm measured faster than (x * x).sum(1) here (no temporary).
+    return torch.linalg.vector_norm(x, dim=1).square_()
 
 
 def _squared_error(codec: Codec, x: torch.Tensor, cols: int) -> torch.Tensor:

@@ -1,46 +1,150 @@
-"""The reconstructed state that delta codecs encode against (LC-Checkpoint's error feedback).
+"""The reconstructed rows that delta codecs encode against (LC-Checkpoint's error feedback).
 
 A delta codec writes ``rows - reference``, where ``reference`` is what a restore of the chain
 reproduces for those rows so far; the quantization error of one checkpoint then feeds into the
-next delta instead of piling up. The writer keeps that reference for the blocks it writes: one
-fp32 copy of this rank's blocks in host memory (the price of delta coding: as much host memory as
-the rank's share of the tables, never more; nothing is read back from storage). A full
-checkpoint resets it to what its (non-delta) base codec decodes to; one-shot diffs are deltas
-against that base and leave it alone; incremental diffs add their decoded deltas to it.
+next delta instead of piling up. The writer keeps that reference for the blocks it writes, and
+nothing is read back from storage:
+
+- the base: the full checkpoint's *encoded* rows, as its files hold them (a 4-bit row of 64
+  values is 36 bytes instead of 256 in fp32), decoded only for the rows a diff writes;
+- an overlay: fp32 rows that incremental diffs changed since the full (their base plus the
+  deltas written since), allocated as such diffs come; one-shot diffs leave the reference at
+  the base and allocate nothing.
+
+A full checkpoint resets both. After a restart or a restore there is no reference until the
+next full (the checkpointer takes one).
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
 import torch
+
+from embckpt.codecs import Codec, EncodedRows
+
+
+@dataclass(frozen=True)
+class _BasePiece:
+    """One file's worth of a full checkpoint's rows of a block: sorted local rows, encoded."""
+
+    rows: np.ndarray
+    cols: int
+    codec: Codec
+    encoded: EncodedRows
+
+
+class _Overlay:
+    """fp32 rows of one block that incremental deltas changed: a slot per block row, the rows
+    in a buffer grown by doubling."""
+
+    def __init__(self, num_rows: int, cols: int) -> None:
+        self.slot = np.full(num_rows, -1, dtype=np.int64)
+        self.values = torch.empty((0, cols), dtype=torch.float32)
+        self.used = 0
+
+    def put(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        new = rows[self.slot[rows] < 0]
+        if len(new):
+            if self.used + len(new) > len(self.values):
+                size = max(2 * len(self.values), self.used + len(new))
+                grown = torch.empty((size, values.shape[1]), dtype=torch.float32)
+                grown[: self.used] = self.values[: self.used]
+                self.values = grown
+            self.slot[new] = np.arange(self.used, self.used + len(new))
+            self.used += len(new)
+        self.values[torch.from_numpy(self.slot[rows])] = values
 
 
 class ReconstructedRows:
-    """Per-block fp32 reconstruction of the latest checkpoint chain, on the host."""
+    """Per block, what a restore of the latest chain reproduces; host memory only."""
 
     def __init__(self) -> None:
-        self._rows: dict[str, torch.Tensor] = {}
+        self._base: dict[str, list[_BasePiece]] = {}
+        self._shapes: dict[str, tuple[int, int]] = {}
+        self._overlay: dict[str, _Overlay] = {}
+        self._base_step: int | None = None
+        self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
         """True once a full checkpoint set the base (false at start and after a restore)."""
-        return bool(self._rows)
+        return bool(self._base)
 
     def clear(self) -> None:
-        self._rows.clear()
+        with self._lock:
+            self._base.clear()
+            self._overlay.clear()
+            self._base_step = None
 
-    def ensure(self, key: str, shape: tuple[int, int]) -> None:
-        """Allocates block ``key`` (before parallel writers touch disjoint rows of it)."""
-        if key not in self._rows or tuple(self._rows[key].shape) != shape:
-            self._rows[key] = torch.zeros(shape, dtype=torch.float32)
+    def set_base(
+        self,
+        step: int,
+        key: str,
+        shape: tuple[int, int],
+        local_rows: torch.Tensor,
+        codec: Codec,
+        encoded: EncodedRows,
+    ) -> None:
+        """Rows ``local_rows`` (sorted) of block ``key`` (``shape``) are now what ``encoded``
+        decodes to: part of full checkpoint ``step``, whose first piece drops the previous base."""
+        # Columns may alias the staged rows (``raw`` wraps their bytes), which the next
+        # checkpoint reuses: the reference keeps its own copy.
+        owned = EncodedRows(
+            {name: pa.concat_arrays([c, c.slice(0, 0)]) for name, c in encoded.columns.items()},
+            encoded.metadata,
+        )
+        piece = _BasePiece(local_rows.cpu().numpy(), shape[1], codec, owned)
+        with self._lock:
+            if step != self._base_step:
+                self._base.clear()
+                self._shapes.clear()
+                self._overlay.clear()
+                self._base_step = step
+            self._base.setdefault(key, []).append(piece)
+            self._shapes[key] = shape
 
-    def set(self, key: str, local_rows: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Rows ``local_rows`` of block ``key`` are now ``decoded`` (a full checkpoint's)."""
-        self._rows[key][local_rows] = decoded.float()
-
-    def delta(self, key: str, local_rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """What a delta codec encodes: the rows minus their reconstruction."""
-        return values.float().cpu() - self._rows[key][local_rows]
+    def rows(self, key: str, local_rows: torch.Tensor) -> torch.Tensor:
+        """The reconstruction of rows ``local_rows`` (sorted) of block ``key``, fp32 [n, cols]."""
+        wanted = local_rows.cpu().numpy()
+        with self._lock:
+            pieces = list(self._base.get(key, ()))
+            overlay = self._overlay.get(key)
+        out: torch.Tensor | None = None
+        found = np.zeros(len(wanted), dtype=bool)
+        for piece in pieces:
+            at = np.clip(np.searchsorted(piece.rows, wanted), 0, max(len(piece.rows) - 1, 0))
+            hit = np.flatnonzero(piece.rows[at] == wanted) if len(piece.rows) else at[:0]
+            if not len(hit):
+                continue
+            take = pa.array(at[hit])
+            subset = EncodedRows(
+                {name: column.take(take) for name, column in piece.encoded.columns.items()},
+                piece.encoded.metadata,
+            )
+            decoded = piece.codec.decode(subset, piece.cols)
+            if out is None:
+                out = torch.zeros((len(wanted), decoded.shape[1]), dtype=torch.float32)
+            out[torch.from_numpy(hit)] = decoded.float()
+            found[hit] = True
+        if out is None or not found.all():
+            missing = wanted[~found][:5].tolist()
+            raise KeyError(f"block {key}: rows {missing} have no reconstruction")
+        if overlay is not None:
+            slots = overlay.slot[wanted]
+            changed = np.flatnonzero(slots >= 0)
+            if len(changed):
+                out[torch.from_numpy(changed)] = overlay.values[torch.from_numpy(slots[changed])]
+        return out
 
     def add(self, key: str, local_rows: torch.Tensor, decoded: torch.Tensor) -> None:
         """An incremental diff's decoded delta joins the reconstruction."""
-        self._rows[key].index_add_(0, local_rows, decoded.float())
+        current = self.rows(key, local_rows) + decoded.float().cpu()
+        with self._lock:  # writers of several parts of one block may add at once
+            overlay = self._overlay.get(key)
+            if overlay is None:
+                overlay = self._overlay[key] = _Overlay(*self._shapes[key])
+            overlay.put(local_rows.cpu().numpy(), current)

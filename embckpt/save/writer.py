@@ -1,16 +1,17 @@
 """Row files: staged units encoded and written as Parquet, several at a time.
 
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
-writes one file per unit in parallel. Delta codecs (``exponent``) encode against the writer's
-:class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the base codec and
-reset it, incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base.
+writes one file per unit in parallel. Delta codecs (``delta``, ``exponent``) encode against the
+writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the
+whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and reset it,
+incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 
-from embckpt.codecs import Codec, EncodedRows
+from embckpt.codecs import Codec, DeltaCodec, EncodedRows
 from embckpt.policy import Decision, Kind
 from embckpt.save.reference import ReconstructedRows
 from embckpt.save.snapshot import StagedUnit
@@ -55,10 +56,6 @@ class RowFileWriter:
         self, step: int, staged: list[StagedUnit], decision: Decision, codec: Codec
     ) -> list[FileEntry]:
         """Encodes with ``codec`` and writes every unit of ``staged`` as one file of ``step``."""
-        if codec.delta:
-            for unit in staged:
-                shard = unit.unit.shard
-                self.reference.ensure(shard.key, (shard.num_rows, shard.num_cols))
         return list(
             self._io.map(lambda unit: self._timed_write(step, unit, decision, codec), staged)
         )
@@ -72,18 +69,23 @@ class RowFileWriter:
             return self._write(step, block, decision, codec)
 
     def _encode(
-        self, block: StagedUnit, decision: Decision, codec: Codec
+        self, step: int, block: StagedUnit, decision: Decision, codec: Codec
     ) -> tuple[Codec, EncodedRows]:
         """Encodes a unit's rows; delta codecs encode against, and update, the reconstruction."""
         if not codec.delta:
             return codec, codec.encode(block.weights)
-        key, rows = block.unit.shard.key, block.local_rows
-        cols = block.unit.shard.num_cols
+        shard = block.unit.shard
+        key, rows, cols = shard.key, block.local_rows, shard.num_cols
         if decision.kind is Kind.FULL:
-            encoded = self.base_codec.encode(block.weights)
-            self.reference.set(key, rows, self.base_codec.decode(encoded, cols))
-            return self.base_codec, encoded
-        encoded = codec.encode(self.reference.delta(key, rows, block.weights))
+            base = codec.whole if isinstance(codec, DeltaCodec) else self.base_codec
+            encoded = base.encode(block.weights)
+            self.reference.set_base(step, key, (shard.num_rows, cols), rows, base, encoded)
+            return base, encoded
+        reference = self.reference.rows(key, rows)
+        if isinstance(codec, DeltaCodec):
+            encoded = codec.encode_delta(block.weights, reference)
+        else:
+            encoded = codec.encode(block.weights.float().cpu() - reference)
         if decision.view is View.SINCE_LAST:  # incremental: the chain now includes this delta
             self.reference.add(key, rows, codec.decode(encoded, cols))
         return codec, encoded
@@ -92,7 +94,7 @@ class RowFileWriter:
         shard = block.unit.shard
         global_rows = (block.local_rows + shard.row_offset).numpy()
         with timed(self.store.clock, "encode"):
-            codec, encoded = self._encode(block, decision, codec)
+            codec, encoded = self._encode(step, block, decision, codec)
             data = encode_file(
                 rows=global_rows,
                 encoded=encoded,
