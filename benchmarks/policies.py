@@ -15,62 +15,150 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import yaml
+
 sys.path.insert(0, str(Path(__file__).parent))
 
+from byte_budget import checkpoint_budget, format_budget, merge_budgets  # noqa: E402
 from common import RESULTS, build_workload, write_result  # noqa: E402
+from oracle import Pricing, best_schedule, schedule_bytes, union_counts  # noqa: E402
 
-from embckpt.config import load_yaml
+from embckpt.config import CheckpointConfig, from_mapping, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig  # noqa: E402
 
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
+BENCH_CODEC = {"codec": "adaptive", "bits": 4}
+"""The codec when neither the config nor the command line names one (today's 4-bit adaptive)."""
+FORCED = {"full_every": 0, "keep_last": 1}
+"""What every run shares whatever the config: fulls only when a policy asks, the latest chain."""
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _touched_since_last(ckpt: Any) -> np.ndarray:
+    """This rank's rows (every written block, in order) touched since the previous checkpoint,
+    read from the checkpointer's tracker as its next save will see them (folded, with moving
+    replicated rows marked; both are idempotent, so the save decides alike)."""
+    from embckpt.tracking import View
+
+    ckpt.tracker.fold()
+    ckpt._mark_moving_replicated_tables()
+    bitmaps = []
+    for shard in ckpt.sharded.writer_shards():
+        bits = np.zeros(shard.num_rows, dtype=bool)
+        bits[ckpt.tracker.dirty(shard.key, View.SINCE_LAST).cpu().numpy()] = True
+        bitmaps.append(bits)
+    return np.concatenate(bitmaps) if bitmaps else np.zeros(0, dtype=bool)
+
+
+def _live_blocks(ckpt: Any) -> list[tuple[str, str, int, int, Any]]:
+    """(table, state-dict key, row offset, column offset, weights) of this rank's written
+    blocks, copied to the CPU."""
+    return [
+        (s.table, s.fqn, s.row_offset, s.col_offset, s.weight.detach().cpu().clone())
+        for s in ckpt.sharded.writer_shards()
+    ]
+
+
+def restored_rel_l2(
+    directory: Path, live: list[tuple[str, str, int, int, Any]]
+) -> dict[str, float]:
+    """Per table: the mean over rows (zero rows skipped) of ||restored - live|| / ||live||, with
+    the latest checkpoint of ``directory`` rebuilt offline (as an export does) and ``live`` every
+    rank's blocks at that step."""
+    import torch
+
+    from embckpt.read.export import reconstruct
+
+    tables = reconstruct(directory).tables
+    err: dict[str, torch.Tensor] = {}
+    norm: dict[str, torch.Tensor] = {}
+    for table, fqn, row, col, weight in live:
+        whole = tables[fqn]
+        restored = whole[row : row + weight.shape[0], col : col + weight.shape[1]].float()
+        rows = slice(row, row + weight.shape[0])
+        err.setdefault(table, torch.zeros(whole.shape[0], dtype=torch.float64))[rows] += (
+            (restored - weight.float()).double().square().sum(dim=1)
+        )
+        norm.setdefault(table, torch.zeros(whole.shape[0], dtype=torch.float64))[rows] += (
+            weight.double().square().sum(dim=1)
+        )
+    result = {}
+    for table in sorted(err):
+        kept = norm[table] > 0
+        ratio = (err[table][kept] / norm[table][kept]).sqrt()
+        result[table] = float(ratio.mean()) if ratio.numel() else 0.0
+    return result
+
+
 def _worker(
     rank: int, world_size: int, cfg: DemoConfig, root: str, intervals: int, every: int
 ) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
     from embckpt import Checkpointer
     from embckpt.examples.demo import load_dataset
+    from embckpt.storage.fs import step_dir_name
 
     dataset = load_dataset(cfg)
-    runs: dict[str, Any] = {}
+    out: dict[str, Any] = {"runs": {}, "union_counts": {}, "rel_l2": {}}
     for policy in POLICIES:
         work = build_workload(rank, world_size, cfg, dataset)
         config = dataclasses.replace(cfg.checkpoint, policy=policy)
         directory = Path(root) / policy
         records = []
+        touched = []
         with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ckpt:
             for step in range(1, intervals * every + 1):
                 work.step()
                 if step % every:
                     continue
+                touched.append(_touched_since_last(ckpt))
                 manifest = ckpt.save(step).wait()
                 assert manifest is not None
                 dist.barrier()
+                step_dir = directory / step_dir_name(step)
+                rows_bytes = sum(f.bytes for f in manifest.files if f.role == "rows")
                 records.append(
                     {
                         "step": step,
                         "kind": manifest.kind,
                         "bytes": manifest.total_bytes,
                         "rows": manifest.rows_written,
+                        "rows_bytes": rows_bytes,
+                        "non_row_bytes": manifest.total_bytes - rows_bytes,
                         "touched_fraction": manifest.stats["touched_fraction"],
                         "written_fraction": manifest.stats["dirty_fraction"],
                         "full_fp32_bytes": manifest.stats["full_fp32_bytes"],
                         "storage_held_bytes": _dir_bytes(directory) if rank == 0 else None,
+                        "budget": checkpoint_budget(step_dir) if rank == 0 else None,
                         "reason": manifest.stats["reason"],
                     }
                 )
-        runs[policy] = records
-    return runs
+            live = _live_blocks(ckpt)
+        out["runs"][policy] = records
+        out["union_counts"][policy] = union_counts(np.stack(touched)).tolist()
+        # Rank 0 rebuilds the tables from the files; every rank's live blocks go through disk.
+        torch.save(live, Path(root) / f"live_{policy}_{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            every_block = [
+                block
+                for r in range(world_size)
+                for block in torch.load(Path(root) / f"live_{policy}_{r}.pt")
+            ]
+            out["rel_l2"][policy] = restored_rel_l2(directory, every_block)
+        dist.barrier()
+    return out
 
 
 def _plots(runs: dict[str, list[dict[str, Any]]], codec: str, out: Path) -> list[Path]:
@@ -140,25 +228,105 @@ def _plots(runs: dict[str, list[dict[str, Any]]], codec: str, out: Path) -> list
     return paths
 
 
+def checkpoint_config(path: str, codec: str | None, bits: int | None, sets: list[str]) -> Any:
+    """The runs' checkpoint settings: :data:`BENCH_CODEC`, then the config's ``checkpoint:``
+    section, then ``--codec`` / ``--bits`` and every ``--set KEY=VALUE`` (a YAML value), then
+    :data:`FORCED`."""
+    section = (yaml.safe_load(Path(path).read_text()) or {}).get("checkpoint") or {}
+    values: dict[str, Any] = {**BENCH_CODEC, **section}
+    values.update({k: v for k, v in (("codec", codec), ("bits", bits)) if v is not None})
+    for item in sets:
+        key, _, value = item.partition("=")
+        values[key.strip()] = yaml.safe_load(value)
+    return from_mapping(CheckpointConfig, {**values, **FORCED}, f"{path} checkpoint")
+
+
+def _kind_budget(records: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    budgets = [r["budget"] for r in records if r["kind"] == kind]
+    return merge_budgets(budgets) if budgets else None
+
+
+def _rows_bytes_per_row(records: list[dict[str, Any]], kind: str | None = None) -> float | None:
+    chosen = [r for r in records if kind is None or r["kind"] == kind]
+    rows = sum(r["rows"] for r in chosen)
+    return sum(r["rows_bytes"] for r in chosen) / rows if rows else None
+
+
+def _oracle(
+    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float
+) -> dict[str, Any]:
+    """The best full / one-shot-diff schedule for the intermittent run's intervals, priced from
+    the measured checkpoints, beside the intermittent policy's actual schedule."""
+    records = runs["intermittent"]
+    diffs = [r for r in records if r["kind"] == "diff"]
+    fulls = [r["bytes"] for run in runs.values() for r in run if r["kind"] == "full"]
+    pricing = Pricing(
+        full_bytes=sum(fulls) / len(fulls),
+        diff_row_bytes=_rows_bytes_per_row(diffs) or 0.0,
+        diff_fixed_bytes=sum(r["non_row_bytes"] for r in diffs) / max(len(diffs), 1),
+    )
+    costs = pricing.diff_costs(counts)
+    oracle_bytes, oracle_kinds = best_schedule(pricing.full_bytes, costs)
+    actual_kinds = [r["kind"] for r in records]
+    priced = schedule_bytes(actual_kinds, pricing.full_bytes, costs)
+    actual = sum(r["bytes"] for r in records)
+    one_shot = runs["one_shot"]
+    predicted = counts[0, 1:]
+    measured = np.array([r["rows"] for r in one_shot[1:]])
+    intervals = len(records)
+    return {
+        "pricing": dataclasses.asdict(pricing),
+        "schedule": "".join("F" if k == "full" else "d" for k in oracle_kinds),
+        "fulls": oracle_kinds.count("full"),
+        "mean_bytes_per_interval": oracle_bytes / intervals,
+        "write_reduction_x": fp32 * intervals / oracle_bytes,
+        "intermittent_schedule": "".join("F" if k == "full" else "d" for k in actual_kinds),
+        "intermittent_priced_bytes_per_interval": priced / intervals,
+        "intermittent_priced_write_reduction_x": fp32 * intervals / priced,
+        "intermittent_actual_write_reduction_x": fp32 * intervals / actual,
+        "one_shot_rows_model_max_rel_error": float(
+            np.max(np.abs(predicted - measured) / measured.clip(min=1))
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/bench_spine.yaml")
     parser.add_argument("--intervals", type=int, default=24)
     parser.add_argument("--every", type=int, default=10, help="steps per checkpoint interval")
-    parser.add_argument("--codec", default="adaptive")
-    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--codec", default=None, help="row codec (default: config, else adaptive)")
+    parser.add_argument(
+        "--bits", type=int, default=None, help="code width (default: config, else 4)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any checkpoint setting, e.g. --set optimizer_codec=log8 (YAML value)",
+    )
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="write the checkpoints here and keep them (default: a temp dir)",
+    )
     args = parser.parse_args()
     cfg = load_yaml(args.config, DemoConfig)
-    checkpoint = dataclasses.replace(
-        cfg.checkpoint, codec=args.codec, bits=args.bits, full_every=0, keep_last=1
-    )
+    checkpoint = checkpoint_config(args.config, args.codec, args.bits, args.set)
     cfg = dataclasses.replace(cfg, checkpoint=checkpoint)
-    with tempfile.TemporaryDirectory() as root:
-        runs = run_ranks(
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        root = args.keep or scratch
+        ranks = run_ranks(
             _worker, cfg.world_size, cfg, root, args.intervals, args.every, timeout_s=3600
-        )[0]
+        )
+    runtime_s = time.perf_counter() - started
+    runs = ranks[0]["runs"]
+    counts = {p: np.sum([r["union_counts"][p] for r in ranks], axis=0) for p in POLICIES}
+    rel_l2 = ranks[0]["rel_l2"]
     fp32 = runs["full"][0]["full_fp32_bytes"]
-    codec = f"{args.bits}-bit {args.codec}"
+    codec = f"{checkpoint.bits}-bit {checkpoint.codec}"
     table = {}
     for policy, records in runs.items():
         mean_bytes = sum(r["bytes"] for r in records) / len(records)
@@ -167,22 +335,41 @@ def main() -> None:
             "write_reduction_x": fp32 / mean_bytes,
             "storage_held_end_bytes": records[-1]["storage_held_bytes"],
             "full_checkpoints": sum(r["kind"] == "full" for r in records),
+            "bytes_per_written_row": _rows_bytes_per_row(records),
+            "bytes_per_written_row_full": _rows_bytes_per_row(records, "full"),
+            "bytes_per_written_row_diff": _rows_bytes_per_row(records, "diff"),
+            "restored_rel_l2": sum(rel_l2[policy].values()) / len(rel_l2[policy]),
+            "restored_rel_l2_per_table": rel_l2[policy],
+            "byte_budget": {k: _kind_budget(records, k) for k in ("full", "diff")},
         }
         print(
             f"{policy:>13}: {mean_bytes / 1e6:8.2f} MB per interval "
             f"({table[policy]['write_reduction_x']:5.1f}x below fp32), "
             f"{table[policy]['full_checkpoints']} fulls, held at the end "
-            f"{records[-1]['storage_held_bytes'] / 1e6:8.2f} MB"
+            f"{records[-1]['storage_held_bytes'] / 1e6:8.2f} MB, "
+            f"restored rel l2 {table[policy]['restored_rel_l2']:.4f}"
         )
     keep_all_fp32 = fp32 * len(runs["full"])
+    oracle = _oracle(runs, counts["intermittent"], fp32)
+    intermittent = table["intermittent"]
     summary = {
         "codec": codec,
+        "checkpoint_config": {
+            k: v for k, v in dataclasses.asdict(checkpoint).items() if k != "policy"
+        },
         "full_fp32_bytes": fp32,
         "mean_touched_fraction": sum(r["touched_fraction"] for r in runs["full"][1:])
         / max(len(runs["full"]) - 1, 1),
-        "write_reduction_x": table["intermittent"]["write_reduction_x"],
+        "write_reduction_x": intermittent["write_reduction_x"],
         "storage_reduction_x": keep_all_fp32 / runs["intermittent"][-1]["storage_held_bytes"],
+        "bytes_per_written_row": intermittent["bytes_per_written_row_diff"],
+        "restored_rel_l2": intermittent["restored_rel_l2"],
+        "whole_row_rel_l2": table["full"]["restored_rel_l2"],
+        "rel_l2_no_worse": intermittent["restored_rel_l2"] <= table["full"]["restored_rel_l2"],
+        "oracle_write_reduction_x": oracle["write_reduction_x"],
+        "runtime_s": runtime_s,
     }
+    byte_budget = {k: intermittent["byte_budget"][k] for k in ("full", "diff")}
     plots = _plots(runs, codec, RESULTS)
     path = write_result(
         "policies",
@@ -190,9 +377,17 @@ def main() -> None:
             "args": vars(args),
             "runs": runs,
             "table": table,
+            "byte_budget": byte_budget,
+            "oracle": oracle,
             "summary": summary,
             "plots": [p.name for p in plots],
         },
+    )
+    print(format_budget({k: v for k, v in byte_budget.items() if v is not None}))
+    print(
+        f"oracle {oracle['schedule']} {oracle['write_reduction_x']:.1f}x; intermittent "
+        f"{oracle['intermittent_schedule']} {oracle['intermittent_actual_write_reduction_x']:.1f}x "
+        f"(priced alike: {oracle['intermittent_priced_write_reduction_x']:.1f}x)"
     )
     print(summary)
     print(f"wrote {path} and {', '.join(str(p) for p in plots)}")

@@ -4,7 +4,8 @@ Takes the one-shot run of ``benchmarks/results/policies.json`` as the growth cur
 (the size of the k-th diff after a full) and lets each rule decide over 120 intervals, assuming
 every new chain regrows the same way. Compares Check-N-Run's published rule with the look-ahead
 cost rule at several restore weights: bytes written per interval, fulls taken, and the bytes a
-restore would read (full + latest diff). Writes ``benchmarks/results/policy_replay.json``.
+restore would read (full + latest diff), and the best schedule knowing the future under the same
+growth curve (benchmarks/oracle.py). Writes ``benchmarks/results/policy_replay.json``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import RESULTS, write_result  # noqa: E402
+from oracle import best_schedule  # noqa: E402
 
 from embckpt.policy import IntermittentPolicy, Kind, Policy, PolicyInput  # noqa: E402
 from embckpt.storage.manifest import HistoryEntry  # noqa: E402
@@ -45,6 +49,21 @@ def replay(
     }
 
 
+def replay_oracle(full_bytes: int, diffs: list[int], intervals: int) -> dict[str, float]:
+    """The best full / one-shot-diff schedule when the k-th diff after any full has the size of
+    the measured k-th (the last measured one beyond), as :func:`replay` assumes."""
+    after = np.arange(intervals)[None, :] - np.arange(intervals)[:, None]  # [f, t]: t - f
+    costs = np.asarray(diffs, dtype=np.float64)[(after - 1).clip(0, len(diffs) - 1)]
+    written, kinds = best_schedule(full_bytes, costs)
+    fulls = kinds.count("full")
+    reads = written + (intervals - fulls) * full_bytes  # every diff's restore also reads its full
+    return {
+        "mb_written_per_interval": written / intervals / 1e6,
+        "fulls": fulls,
+        "mb_restore_read_per_interval": reads / intervals / 1e6,
+    }
+
+
 def main() -> None:
     measured = json.loads((RESULTS / "policies.json").read_text())
     one_shot = measured["runs"]["one_shot"]
@@ -58,11 +77,10 @@ def main() -> None:
         "cost, restore_weight 0.05 (default)": IntermittentPolicy(rule="cost"),
         "cost, restore_weight 0.5": IntermittentPolicy(rule="cost", restore_weight=0.5),
     }
-    results = {}
-    for name, policy in rules.items():
-        r = replay(policy, full_bytes, diffs, dirty, 120)
+    results = {name: replay(rule, full_bytes, diffs, dirty, 120) for name, rule in rules.items()}
+    results["oracle (knows the future)"] = replay_oracle(full_bytes, diffs, 120)
+    for name, r in results.items():
         r["write_reduction_x"] = fp32 / 1e6 / r["mb_written_per_interval"]
-        results[name] = r
         print(
             f"{name:>36}: {r['mb_written_per_interval']:.2f} MB/interval "
             f"({r['write_reduction_x']:.1f}x below fp32), {r['fulls']} fulls, "

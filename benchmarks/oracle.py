@@ -1,0 +1,77 @@
+"""The best full / one-shot-diff schedule knowing the future: a lower bound for any predictor.
+
+Input: which rows each checkpoint interval touched (one bitmap per interval). A one-shot diff
+at interval ``t`` after a full at ``f`` writes every row touched in intervals ``f+1..t``; a full
+writes every row. With checkpoints priced from measured bytes (a full: its mean size; a diff:
+rows times bytes per diff row plus the fixed per-checkpoint files), dynamic programming over
+where the fulls go finds the cheapest schedule (the first checkpoint has nothing to diff
+against, so it is full).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def union_counts(touched: np.ndarray) -> np.ndarray:
+    """``counts[f, t]`` = rows touched in any of the intervals ``f+1..t`` (for ``t > f``; 0
+    elsewhere), from ``touched`` [intervals, rows] (bool). Rows of several bitmaps (shards,
+    ranks) are simply more columns; counts of separate parts add."""
+    intervals = len(touched)
+    counts = np.zeros((intervals, intervals), dtype=np.int64)
+    for first in range(intervals - 1):
+        grown = np.logical_or.accumulate(touched[first + 1 :], axis=0)
+        counts[first, first + 1 :] = np.count_nonzero(grown, axis=1)
+    return counts
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """Bytes of a checkpoint: ``full_bytes`` for a full, ``diff_fixed_bytes`` plus
+    ``diff_row_bytes`` per written row for a diff."""
+
+    full_bytes: float
+    diff_row_bytes: float
+    diff_fixed_bytes: float
+
+    def diff_costs(self, counts: np.ndarray) -> np.ndarray:
+        """``cost[f, t]`` of a diff at ``t`` after a full at ``f`` (0 where ``t <= f``)."""
+        cost = counts * self.diff_row_bytes + self.diff_fixed_bytes
+        return np.triu(cost, k=1)
+
+
+def schedule_bytes(kinds: list[str], full_bytes: float, diff_costs: np.ndarray) -> float:
+    """Bytes written by ``kinds`` (``full`` / ``diff`` per interval, one-shot diffs), with
+    ``diff_costs[f, t]`` the bytes of a diff at ``t`` after a full at ``f``."""
+    total, last_full = 0.0, 0
+    for t, kind in enumerate(kinds):
+        if kind == "full":
+            total, last_full = total + full_bytes, t
+        else:
+            total += float(diff_costs[last_full, t])
+    return total
+
+
+def best_schedule(full_bytes: float, diff_costs: np.ndarray) -> tuple[float, list[str]]:
+    """The cheapest schedule: (bytes written, ``full`` / ``diff`` per interval), with
+    ``diff_costs[f, t]`` the bytes of a diff at ``t`` after a full at ``f`` (upper triangle).
+
+    ``best[g]`` is the cheapest way to cover intervals ``0..g-1`` ending a chain at ``g - 1``;
+    a chain from a full at ``f`` to ``g - 1`` costs the full plus its diffs ``f+1..g-1``.
+    """
+    intervals = len(diff_costs)
+    chain = np.cumsum(np.triu(diff_costs, k=1), axis=1)  # chain[f, t]: diffs f+1..t
+    best = np.zeros(intervals + 1)
+    start = np.zeros(intervals + 1, dtype=np.int64)
+    for end in range(1, intervals + 1):
+        options = best[:end] + full_bytes + chain[:end, end - 1]
+        start[end] = int(np.argmin(options))
+        best[end] = options[start[end]]
+    kinds = ["diff"] * intervals
+    end = intervals
+    while end > 0:
+        kinds[start[end]] = "full"
+        end = int(start[end])
+    return float(best[intervals]), kinds

@@ -1,0 +1,68 @@
+"""The policies benchmark's pieces: the future-knowing schedule and the per-row byte budget."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+
+from byte_budget import PARTS, checkpoint_budget  # noqa: E402
+from oracle import Pricing, best_schedule, schedule_bytes, union_counts  # noqa: E402
+
+HUFFMAN_STEP = Path(__file__).parent / "fixtures/v1/adaptive_incremental/step_000000000005"
+
+
+def test_union_counts_match_set_unions() -> None:
+    rng = np.random.default_rng(0)
+    touched = rng.random((6, 40)) < 0.2
+    counts = union_counts(touched)
+    for first, last in itertools.product(range(6), range(6)):
+        rows = set().union(*(set(np.flatnonzero(touched[i])) for i in range(first + 1, last + 1)))
+        assert counts[first, last] == (len(rows) if last > first else 0)
+
+
+def test_best_schedule_is_the_cheapest_of_every_schedule() -> None:
+    rng = np.random.default_rng(1)
+    touched = rng.random((7, 200)) < rng.random((7, 1)) * 0.4
+    counts = union_counts(touched)
+    pricing = Pricing(full_bytes=400.0, diff_row_bytes=2.0, diff_fixed_bytes=30.0)
+    costs = pricing.diff_costs(counts)
+    cheapest = min(
+        schedule_bytes(["full", *rest], pricing.full_bytes, costs)
+        for rest in itertools.product(["full", "diff"], repeat=6)
+    )
+    total, kinds = best_schedule(pricing.full_bytes, costs)
+    assert kinds[0] == "full"
+    assert np.isclose(total, cheapest)
+    assert np.isclose(schedule_bytes(kinds, pricing.full_bytes, costs), total)
+
+
+def test_best_schedule_takes_a_full_when_diffs_grow_past_it() -> None:
+    counts = np.triu(np.full((4, 4), 100), k=1)  # every diff writes 100 rows
+    _, kinds = best_schedule(50.0, Pricing(50.0, 1.0, 0.0).diff_costs(counts))
+    assert kinds == ["full"] * 4
+    _, kinds = best_schedule(500.0, Pricing(500.0, 1.0, 0.0).diff_costs(counts))
+    assert kinds == ["full", "diff", "diff", "diff"]
+
+
+def test_budget_parts_add_up_to_the_files_and_huffman_bits_are_exact() -> None:
+    budget = checkpoint_budget(HUFFMAN_STEP)
+    on_disk = sum(p.stat().st_size for p in HUFFMAN_STEP.rglob("*") if p.is_file())
+    assert np.isclose(sum(budget["parts"].values()), on_disk)
+    assert set(budget["parts"]) == set(PARTS)
+    assert budget["parts"]["codec"] == 0  # every payload split into codes and scale+bias
+    payload_bytes = rows = 0
+    for path in HUFFMAN_STEP.glob("tables/*/*.parquet"):
+        column = pq.read_table(path, columns=["payload"]).column("payload").combine_chunks()
+        offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[: len(column) + 1]
+        payload_bytes += int(offsets[-1] - offsets[0])
+        rows += len(column)
+    coded = budget["parts"]["codes"] + budget["parts"]["scale_bias"]
+    # Each row's bit string is byte-aligned: less than a byte of padding per row.
+    assert coded <= payload_bytes < coded + rows
+    assert budget["rows"] == rows
