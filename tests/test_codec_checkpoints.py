@@ -76,15 +76,14 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
     config = CheckpointConfig(policy="one_shot", codec="adaptive", expected_restores=1)
     model, opt = tm.build(world_size, seed=0)
     with Checkpointer(model, f"{root}/restores", optimizer=opt, config=config) as ckpt:
-        tm.train_step(model, opt, 1, rank)
-        widths = [ckpt.save(1).wait().codec["bits"]]
-        ckpt.restore()
-        tm.train_step(model, opt, 2, rank)
-        widths.append(ckpt.save(2).wait().codec["bits"])
-        ckpt.restore()
-        tm.train_step(model, opt, 3, rank)
-        widths.append(ckpt.save(3).wait().codec["bits"])
-    out["widths"] = widths
+        manifests = []
+        for step in (1, 2, 3):
+            if step > 1:
+                ckpt.restore()
+            tm.train_step(model, opt, step, rank)
+            manifests.append(ckpt.save(step).wait())
+    out["widths"] = [m.codec["bits"] for m in manifests]
+    out["kinds_after_restores"] = [m.kind for m in manifests]
     return out
 
 
@@ -133,3 +132,9 @@ def test_bits_widen_as_restores_exceed_the_plan(results) -> None:
     # Planned 1 restore: 2 bits; after 1 restore, plan 2 -> 3 bits; after 2, plan 3 -> 3 bits.
     for out in results:
         assert out["widths"] == [2, 3, 3]
+
+
+def test_delta_diffs_take_a_full_after_a_restore(results) -> None:
+    # A restore leaves no reconstruction to take deltas against: the next save is a full.
+    for out in results:
+        assert out["kinds_after_restores"] == ["full", "full", "full"]
