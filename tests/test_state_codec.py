@@ -321,5 +321,12 @@ def test_merge_keeps_log8_states_as_encoded(log8_runs, name: str) -> None:
     # Each merged file carries a source file's metadata: its states were copied, not quantized
     # again over the merged file's rows (another range, another grid).
     sources = [m["state"] or m["elem"] for m in runs["chain"]]
+    coded_files = 0
     for meta in runs["merged"]:
-        assert (meta["state"] or meta["elem"]) in sources
+        coded = meta["state"] or meta["elem"]
+        columns = [c for c in meta["columns"] if c.startswith(("state.", "elem."))]
+        assert all(c.endswith(".payload") for c in columns), meta  # still log8 columns
+        assert bool(columns) == bool(coded), meta
+        assert coded in sources, meta
+        coded_files += bool(coded)
+    assert coded_files
