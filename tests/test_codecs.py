@@ -11,7 +11,7 @@ import pytest
 import torch
 from codec_roundtrip import encoded_bytes_per_row, round_trip
 
-from embckpt.codecs import Codec, codec_from_config, make_codec
+from embckpt.codecs import Codec, DeltaCodec, codec_from_config, make_codec
 from embckpt.codecs import huffman as hm
 from embckpt.codecs.adaptive import AdaptiveCodec, greedy_ranges, range_loss
 from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes
@@ -519,9 +519,13 @@ def test_huffman_shrinks_skewed_symbols() -> None:
 
 
 def test_codec_for_maps_config() -> None:
-    codec = codec_for(CheckpointConfig(codec="adaptive", bits=3, entropy="huffman"))
+    # Quantizers come wrapped in their delta codec, which writes fulls with the codec asked for.
+    wrapped = codec_for(CheckpointConfig(codec="adaptive", bits=3, entropy="huffman"))
+    assert isinstance(wrapped, DeltaCodec) and wrapped.get_config()["bits"] == 3
+    codec = wrapped.whole
     assert codec.get_config()["bits"] == 3 and codec.get_config()["entropy"] == "huffman"
-    default = codec_for(CheckpointConfig(codec="asymmetric"))
+    assert wrapped.entropy == "zstd"  # Huffman's fixed-size tables do not fit variable rows
+    default = codec_for(CheckpointConfig(codec="asymmetric", diff_deltas=False))
     assert default.get_config()["entropy"] == type(default)().entropy  # "auto": its own
     assert codec_for(CheckpointConfig()).get_config() == {
         "id": "raw",
@@ -529,7 +533,7 @@ def test_codec_for_maps_config() -> None:
         "entropy": "none",
     }
     options = CheckpointConfig(codec="kmeans", codec_options={"bits": 2, "iterations": 1})
-    assert codec_for(options).get_config()["iterations"] == 1
+    assert codec_for(options).get_config()["inner"]["iterations"] == 1
     with pytest.raises(ConfigError, match="conflicts"):
         codec_for(CheckpointConfig(codec="kmeans", bits=4, codec_options={"bits": 2}))
     with pytest.raises(ConfigError, match="options are"):
