@@ -28,7 +28,6 @@ from embckpt.storage.shardfile import (
     row_state_values,
 )
 
-FP32_ROUNDING = 2.0**-23  # the decoded value is the fp32 nearest to the exact grid point
 OCTAVES = 30.0
 
 
@@ -65,11 +64,13 @@ def test_log8_round_trip_within_relative_bound(signed: bool, entropy: str) -> No
     codec = make_codec("log8", {"entropy": entropy})
     decoded = round_trip(codec, x)  # through a Parquet file, codec rebuilt from its metadata
     bound = _bound(x, signed)
-    assert bound == pytest.approx(max_relative_error(codec.encode(x).metadata))
+    # The codec's own bound adds fp32 rounding (the logs, the decoded value): 1e-4 of it here.
+    stated = max_relative_error(codec.encode(x).metadata)
+    assert bound < stated < bound * 1.0001
     # 30 octaves: 4.2% on 255 levels, 8.6% on 127 (the sign takes a bit).
     assert bound == pytest.approx(0.0418 if not signed else 0.0860, abs=5e-4)
     errors = _relative_errors(decoded, x)
-    assert errors.max() <= bound + FP32_ROUNDING
+    assert errors.max() <= stated
     assert errors.max() > 0.9 * bound  # the bound is what values get, not a loose ceiling
     assert torch.equal(decoded[x == 0], torch.zeros(int((x == 0).sum())))
     assert torch.equal(decoded.sign(), x.sign())
@@ -183,7 +184,8 @@ def test_log8_row_states_are_one_byte_columns_decoded_within_bound() -> None:
     assert values["momentum1"].dtype == np.float32
     truth = momentum[100:250]
     errors = _relative_errors(torch.from_numpy(values["momentum1"]), truth)
-    assert errors.max() <= _bound(momentum, signed=False) + FP32_ROUNDING
+    assert errors.max() <= max_relative_error(block.metadata["state_meta"]["momentum1"])
+    assert errors.max() < _bound(momentum, signed=False) * 1.0001
     assert np.array_equal(
         values["momentum1"][truth.numpy() == 0], np.zeros(int((truth == 0).sum()))
     )
@@ -294,7 +296,7 @@ def test_log8_checkpoint_restores_states_within_bound(log8_runs, name: str) -> N
             assert np.array_equal(got[value == 0], value[value == 0]), key
             if (x != 0).any():
                 errors = _relative_errors(torch.from_numpy(got), x)
-                assert errors.max() <= bound + FP32_ROUNDING, key
+                assert errors.max() <= bound, key
                 assert errors.max() > 0, key  # quantized, not stored as is
                 checked += 1
     assert checked
