@@ -99,3 +99,20 @@ def test_the_config_wraps_quantizers_only() -> None:
     )
     for lossless_or_delta in ("raw", "fp16", "exponent"):
         assert codec_for(CheckpointConfig(codec=lossless_or_delta)).codec_id == lossless_or_delta
+
+
+def test_a_split_writes_rows_whole_where_their_change_needs_more_than_bits() -> None:
+    live, reference = _rows(400, 64)
+    reference[:40] = -live[:40]  # changes twice as wide as the rows: no 4-bit delta holds them
+    codec = DeltaCodec(make_codec("adaptive", {"bits": 4}).get_config())
+    split = codec.encode_split(live, reference)
+    assert split.whole is not None
+    assert set(range(40)) <= set(split.whole_rows.tolist())
+    assert sorted([*split.delta_rows.tolist(), *split.whole_rows.tolist()]) == list(range(400))
+    assert all(bits <= 4 for bits, _ in split.delta.metadata["widths"])
+    restored = live.clone()
+    restored[split.delta_rows] = reference[split.delta_rows] + codec.decode(split.delta, 64)
+    restored[split.whole_rows] = codec.whole.decode(split.whole, 64)
+    whole = codec.whole
+    whole_error = (whole.decode(whole.encode(live), 64) - live).norm(dim=1)
+    assert bool(((restored - live).norm(dim=1) <= whole_error * (1 + 1e-5) + 1e-6).all())

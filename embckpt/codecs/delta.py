@@ -32,7 +32,8 @@ Decoding adds nothing by itself: it returns the change, which the reader adds (`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,16 @@ from embckpt.errors import CodecError, ConfigError
 CODE_WIDTHS = (2, 3, 4, 8)
 RAW_BITS = 32
 DELTA_ENTROPY = ("none", "zstd", "lz4")
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """A batch split between deltas and whole rows (positions among the batch's rows)."""
+
+    delta: EncodedRows
+    delta_rows: np.ndarray
+    whole: EncodedRows | None
+    whole_rows: np.ndarray
 
 
 @register
@@ -107,17 +118,46 @@ class DeltaCodec(Codec):
         restored error stays within what a whole-row code of ``live`` at ``bits`` leaves."""
         x = float_rows(live, self.codec_id)
         change = x - reference.to(x.device, torch.float32)
+        groups, rest = self._narrowest(x, change, CODE_WIDTHS)
+        if len(rest):
+            exact = change.index_select(0, torch.from_numpy(rest).to(x.device)).cpu().numpy()
+            groups[RAW_BITS] = (rest, exact.astype("<f4").view(np.uint8), {})
+        return self._pack(x.shape[0], groups)
+
+    def encode_split(self, live: torch.Tensor, reference: torch.Tensor) -> SplitRows:
+        """As :meth:`encode_delta`, but a row whose change needs more than ``bits`` bits is
+        written as a whole-row code of ``live`` (by ``whole``) instead: no larger, and within
+        budget by definition. A restore adds the deltas and replaces the whole rows."""
+        x = float_rows(live, self.codec_id)
+        change = x - reference.to(x.device, torch.float32)
+        groups, rest = self._narrowest(x, change, [b for b in CODE_WIDTHS if b <= self.bits])
+        kept = np.ones(x.shape[0], dtype=bool)
+        kept[rest] = False
+        picked = np.flatnonzero(kept)
+        if len(rest):
+            # The delta rows' positions among the rows the delta keeps, for _pack.
+            renumber = np.cumsum(kept) - 1
+            groups = {b: (renumber[rows], data, m) for b, (rows, data, m) in groups.items()}
+        whole = None
+        if len(rest):
+            whole = self.whole.encode(x.index_select(0, torch.from_numpy(rest).to(x.device)))
+        return SplitRows(self._pack(len(picked), groups), picked, whole, rest)
+
+    def _narrowest(
+        self, x: torch.Tensor, change: torch.Tensor, widths: Sequence[int]
+    ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]], np.ndarray]:
+        """Each row's narrowest width among 0 and ``widths`` within budget: the groups (rows,
+        payload bytes, inner metadata) by width, and the rows none of them holds."""
         n, cols = x.shape
-        whole = self._width_codec(self.bits)
-        budget = _squared_error(whole, x, cols)
+        budget = _squared_error(self._width_codec(self.bits), x, cols)
         width = np.full(n, -1, dtype=np.int64)
         width[(_sq_norm(change) <= budget).cpu().numpy()] = 0
         groups: dict[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]] = {}
         seen_lengths = {0}
         for bits in _code_widths(cols):
             todo = np.flatnonzero(width < 0)
-            if not len(todo):
-                break
+            if not len(todo) or bits not in widths:
+                continue
             codec = self._width_codec(bits)
             index = torch.from_numpy(todo).to(x.device)
             part = change.index_select(0, index)
@@ -126,17 +166,12 @@ class DeltaCodec(Codec):
             ok = (_sq_norm(decoded - part) <= budget.index_select(0, index)).cpu().numpy()
             data = fixed_binary_values(encoded.columns[PAYLOAD])
             # A length already taken (parameters widened to fp32 for this batch) would make
-            # the widths ambiguous: such rows go on to the next width, fp32 at the latest.
+            # the widths ambiguous: such rows go on to the next width (or are left over).
             if ok.any() and data.shape[1] not in seen_lengths:
                 width[todo[ok]] = bits
                 groups[bits] = (todo[ok], data[ok], dict(encoded.metadata))
                 seen_lengths.add(data.shape[1])
-        rest = np.flatnonzero(width < 0)
-        if len(rest):
-            width[rest] = RAW_BITS
-            exact = change.index_select(0, torch.from_numpy(rest).to(x.device)).cpu().numpy()
-            groups[RAW_BITS] = (rest, exact.astype("<f4").view(np.uint8), {})
-        return self._pack(n, groups)
+        return groups, np.flatnonzero(width < 0)
 
     def _pack(
         self, n: int, groups: Mapping[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]]

@@ -142,7 +142,11 @@ class ReconstructedRows:
 
     def add(self, key: str, local_rows: torch.Tensor, decoded: torch.Tensor) -> None:
         """An incremental diff's decoded delta joins the reconstruction."""
-        current = self.rows(key, local_rows) + decoded.float().cpu()
+        self.replace(key, local_rows, self.rows(key, local_rows) + decoded.float().cpu())
+
+    def replace(self, key: str, local_rows: torch.Tensor, current: torch.Tensor) -> None:
+        """Rows an incremental diff wrote whole now reconstruct as ``current``."""
+        current = current.float().cpu()
         with self._lock:  # writers of several parts of one block may add at once
             overlay = self._overlay.get(key)
             if overlay is None:

@@ -10,6 +10,10 @@ incremental diffs add their decoded deltas to it, one-shot diffs leave it at the
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
 from embckpt.policy import Decision, Kind
@@ -20,6 +24,16 @@ from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import timed
 from embckpt.storage.shardfile import encode_file, index_file, row_state_columns
 from embckpt.tracking import View
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one file of a unit holds: ``picked`` rows of the unit (None: all), encoded."""
+
+    codec: Codec
+    encoded: EncodedRows
+    picked: np.ndarray | None = None
+    suffix: str = ""
 
 
 class RowFileWriter:
@@ -55,62 +69,81 @@ class RowFileWriter:
     def write(
         self, step: int, staged: list[StagedUnit], decision: Decision, codec: Codec
     ) -> list[FileEntry]:
-        """Encodes with ``codec`` and writes every unit of ``staged`` as one file of ``step``."""
-        return list(
-            self._io.map(lambda unit: self._timed_write(step, unit, decision, codec), staged)
-        )
+        """Encodes with ``codec`` and writes every unit of ``staged`` as files of ``step``
+        (one per unit; two for a ``delta`` diff with rows better written whole)."""
+        written = self._io.map(lambda unit: self._timed_write(step, unit, decision, codec), staged)
+        return [entry for entries in written for entry in entries]
 
     def _timed_write(
         self, step: int, block: StagedUnit, decision: Decision, codec: Codec
-    ) -> FileEntry:
+    ) -> list[FileEntry]:
         # What _write spends outside its encode, write and fsync phases is checksumming (the
         # file's and its row groups' for the index): counted as "hash".
         with timed(self.store.clock, "hash"):
-            return self._write(step, block, decision, codec)
+            with timed(self.store.clock, "encode"):
+                parts = self._encode(step, block, decision, codec)
+            return [self._write(step, block, part) for part in parts]
 
     def _encode(
         self, step: int, block: StagedUnit, decision: Decision, codec: Codec
-    ) -> tuple[Codec, EncodedRows]:
+    ) -> list[_Part]:
         """Encodes a unit's rows; delta codecs encode against, and update, the reconstruction."""
         if not codec.delta:
-            return codec, codec.encode(block.weights)
+            return [_Part(codec, codec.encode(block.weights))]
         shard = block.unit.shard
         key, rows, cols = shard.key, block.local_rows, shard.num_cols
         if decision.kind is Kind.FULL:
             base = codec.whole if isinstance(codec, DeltaCodec) else self.base_codec
             encoded = base.encode(block.weights)
             self.reference.set_base(step, key, (shard.num_rows, cols), rows, base, encoded)
-            return base, encoded
+            return [_Part(base, encoded)]
         reference = self.reference.rows(key, rows)
-        if isinstance(codec, DeltaCodec):
-            encoded = codec.encode_delta(block.weights, reference)
-        else:
+        incremental = decision.view is View.SINCE_LAST  # the chain now includes this diff
+        if not isinstance(codec, DeltaCodec):
             encoded = codec.encode(block.weights.float().cpu() - reference)
-        if decision.view is View.SINCE_LAST:  # incremental: the chain now includes this delta
-            self.reference.add(key, rows, codec.decode(encoded, cols))
-        return codec, encoded
+            if incremental:
+                self.reference.add(key, rows, codec.decode(encoded, cols))
+            return [_Part(codec, encoded)]
+        split = codec.encode_split(block.weights, reference)
+        parts = []
+        if len(split.delta_rows):
+            parts.append(_Part(codec, split.delta, split.delta_rows))
+            if incremental:
+                delta_rows = rows[torch.from_numpy(split.delta_rows)]
+                self.reference.add(key, delta_rows, codec.decode(split.delta, cols))
+        if split.whole is not None:
+            parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole"))
+            if incremental:
+                whole_rows = rows[torch.from_numpy(split.whole_rows)]
+                self.reference.replace(key, whole_rows, codec.whole.decode(split.whole, cols))
+        return parts
 
-    def _write(self, step: int, block: StagedUnit, decision: Decision, codec: Codec) -> FileEntry:
+    def _write(self, step: int, block: StagedUnit, part: _Part) -> FileEntry:
         shard = block.unit.shard
-        global_rows = (block.local_rows + shard.row_offset).numpy()
+        picked = None if part.picked is None else torch.from_numpy(part.picked)
+        local_rows = block.local_rows if picked is None else block.local_rows[picked]
+        row_states, elem_states = block.row_states, block.elem_states
+        if picked is not None:
+            row_states = {n: t[picked.to(t.device)] for n, t in row_states.items()}
+            elem_states = {n: t[picked.to(t.device)] for n, t in elem_states.items()}
+        global_rows = (local_rows + shard.row_offset).numpy()
         with timed(self.store.clock, "encode"):
-            codec, encoded = self._encode(step, block, decision, codec)
             data = encode_file(
                 rows=global_rows,
-                encoded=encoded,
-                row_states=row_state_columns(self.state_codec, block.row_states),
-                elem_states={n: self.state_codec.encode(t) for n, t in block.elem_states.items()},
+                encoded=part.encoded,
+                row_states=row_state_columns(self.state_codec, row_states),
+                elem_states={n: self.state_codec.encode(t) for n, t in elem_states.items()},
                 metadata={
                     "table": shard.table,
                     "row_offset": shard.row_offset,
                     "col_offset": shard.col_offset,
                     "cols": shard.num_cols,
-                    "codec": codec.get_config(),
+                    "codec": part.codec.get_config(),
                     "state_codec": self.state_codec.get_config(),
                 },
                 row_group_rows=self.row_group_rows,
             )
-        block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}"
+        block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}{part.suffix}"
         index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
         written = self.store.write_file(
             step, f"tables/{shard.table}/{block_name}.parquet", data, index.file_checksum
