@@ -53,7 +53,18 @@ SCHEMA_VERSION = 1
 # Listed in --help only: the registries (embckpt.policy.POLICIES and the codec registry) are
 # what accepts a name, and tests/test_cli.py checks these lists against them.
 POLICY_NAMES = ("full", "one_shot", "incremental", "intermittent")
-CODEC_NAMES = ("raw", "fp16", "bf16", "symmetric", "asymmetric", "adaptive", "kmeans", "exponent")
+CODEC_NAMES = (
+    "raw",
+    "fp16",
+    "bf16",
+    "symmetric",
+    "asymmetric",
+    "adaptive",
+    "kmeans",
+    "exponent",
+    "delta",
+    "log8",
+)
 
 
 class UsageError(EmbckptError, ValueError):

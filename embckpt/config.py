@@ -58,8 +58,9 @@ class CheckpointConfig:
             the error a whole-row code at ``bits`` would leave (``codecs/delta.py``); fulls
             keep whole rows. The writer keeps the last full's encoded rows in host memory to
             take changes against. False: diffs hold whole rows, as fulls do.
-        optimizer_codec: codec of the optimizer state kept with the rows (row-wise and
-            element-wise; lossless by default; ``log8``: one byte per value).
+        optimizer_codec: codec of optimizer state: element-wise always, row-wise too unless
+            lossless (``log8``: one byte per value); lossless ``raw`` by default; delta codecs
+            are refused (a restore copies optimizer state, it never adds to it).
         base_codec: codec of full checkpoints when ``codec`` is a delta codec (``exponent``):
             deltas need a base to be deltas against.
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
@@ -129,6 +130,11 @@ class CheckpointConfig:
         make_policy(self)
         for name in (self.optimizer_codec, self.base_codec):
             make_codec(name)
+        if make_codec(self.optimizer_codec).delta:
+            raise ConfigError(
+                f"optimizer_codec {self.optimizer_codec!r} is a delta codec: optimizer state "
+                "is restored as written, never added to"
+            )
         if self.expected_restores is None:
             codec_for(self)
 

@@ -41,7 +41,8 @@ class RowFileWriter:
 
     Args:
         store: the checkpoint directory.
-        state_codec: codec of element-wise optimizer state (lossless by default).
+        state_codec: codec of optimizer state (element-wise; row-wise too when lossy;
+            lossless by default).
         base_codec: codec of full checkpoints when the row codec is a delta codec.
         rank: this rank (recorded in each file's manifest entry).
         row_group_rows: Parquet row-group size.
