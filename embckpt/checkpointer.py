@@ -179,6 +179,7 @@ class Checkpointer:
             rank=self.comm.rank,
             row_group_rows=self.config.row_group_rows,
             threads=self.config.io_threads,
+            track_chain=self.policy.mixes_diffs,
         )
         self.head: Manifest | None = None  # the last checkpoint of this run's chain
         device = (
@@ -305,7 +306,13 @@ class Checkpointer:
         }
         history = self.head.history if self.head is not None else ()
         decision = self.policy.decide(
-            PolicyInput(step, dirty[View.SINCE_LAST], dirty[View.SINCE_FULL], history)
+            PolicyInput(
+                step,
+                dirty[View.SINCE_LAST],
+                dirty[View.SINCE_FULL],
+                history,
+                None if self.head is None else _chain_bytes(self.head),
+            )
         )
         if self.codec.delta and decision.kind is Kind.DIFF and not self.writer.reference.ready:
             # Deltas need the reconstruction of their base, which only a full written by this
@@ -530,6 +537,8 @@ class Checkpointer:
                 "phase_seconds": phases[slowest],
                 "phase_rank": slowest,
                 "reason": snapshot.decision.reason,
+                "chain_bytes": total
+                + (0 if full or head is None else _chain_bytes(head, snapshot.decision.view)),
                 "restores": self.restores,
                 "created_unix": time.time(),
             },
@@ -668,6 +677,19 @@ def _as_save_error(
     wrapped = SaveError(f"step {step}: {what} failed: {error}")
     wrapped.__cause__ = error
     return wrapped
+
+
+def _chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
+    """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
+    up to ``head`` (incremental), or its full alone (one-shot). Manifests without the figure
+    count as one-shot chains (their full and themselves)."""
+    full = head.history[0].bytes
+    if view is View.SINCE_FULL:
+        return full
+    known = head.stats.get("chain_bytes")
+    if isinstance(known, int):
+        return known
+    return full if head.kind == "full" else full + head.history[-1].bytes
 
 
 def _parent(head: Manifest, decision: Decision) -> int:

@@ -59,12 +59,16 @@ class PolicyInput:
         dirty_since_full: the same, since the last full checkpoint.
         history: checkpoints since (and including) the last full one, oldest first; empty when
             there is no full checkpoint to build on.
+        chain_bytes: bytes a restore of the latest checkpoint reads (its full and the diffs its
+            parent links pass through); None when unknown (a one-shot chain is then assumed:
+            the full and the latest diff).
     """
 
     step: int
     dirty_since_last: float
     dirty_since_full: float
     history: tuple[HistoryRecord, ...]
+    chain_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,14 @@ class Decision:
 
 
 class Policy(abc.ABC):
-    """Decides the kind of each checkpoint."""
+    """Decides the kind of each checkpoint.
+
+    ``mixes_diffs``: whether one-shot diffs may be followed by incremental ones (the writer
+    then keeps what such a chain reconstructs, for delta codecs).
+    """
 
     name: str
+    mixes_diffs: bool = False
 
     def __init__(self, full_every: int = 0) -> None:
         self.full_every = full_every
@@ -165,7 +174,7 @@ def forecast(history: tuple[HistoryRecord, ...], upcoming: float | None) -> Fore
 
 
 class IntermittentPolicy(Policy):
-    """One-shot diffs, plus a new full checkpoint whenever the forecast says it is cheaper.
+    """Diffs, plus a new full checkpoint whenever the forecast says it is cheaper.
 
     ``rule="checknrun"`` is Check-N-Run's rule as published: full when ``F <= I`` with
     ``F = 1 + S_1 + ... + S_i`` and ``I = (i + 1) S_i``. ``rule="cost"`` (the default) improves
@@ -173,20 +182,41 @@ class IntermittentPolicy(Policy):
     before anything is written) instead of the last one, and it adds ``restore_weight`` times the
     bytes restores would read (a longer-grown diff makes every restore slower; the weight is the
     expected restores per checkpoint times the relative cost of a byte read at restore).
+
+    ``diffs="one_shot"`` (the default) writes Check-N-Run's one-shot diffs only. ``diffs="auto"``
+    (``rule="cost"`` only) prices both kinds for the next diff, as written bytes plus
+    ``restore_weight`` times the bytes a restore of the resulting chain reads: a one-shot diff
+    (every row changed since the full; restores read the full and it) or an incremental one (the
+    rows changed since the previous checkpoint; restores read the whole chain), and takes the
+    cheaper. Where rows keep changing (early training) a one-shot diff soon re-writes most of
+    what earlier ones held, and incremental diffs write a fraction of it; the restore term
+    bounds the chain, since a full then becomes the cheaper forecast.
     """
 
     name = "intermittent"
 
     def __init__(
-        self, full_every: int = 0, rule: str = "cost", restore_weight: float = 0.05
+        self,
+        full_every: int = 0,
+        rule: str = "cost",
+        restore_weight: float = 0.05,
+        diffs: str = "one_shot",
     ) -> None:
         super().__init__(full_every)
         if rule not in ("cost", "checknrun"):
             raise ConfigError(f"intermittent rule {rule!r} is not 'cost' or 'checknrun'")
+        if diffs not in ("one_shot", "auto") or (diffs == "auto" and rule != "cost"):
+            raise ConfigError(
+                f"intermittent diffs {diffs!r}: 'one_shot', or 'auto' with the 'cost' rule"
+            )
         self.rule = rule
         self.restore_weight = restore_weight if rule == "cost" else 0.0
+        self.diffs = diffs
+        self.mixes_diffs = diffs == "auto"
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
+        if self.diffs == "auto":
+            return self._decide_mixed(stats)
         if len(stats.history) < 2:
             return Decision(Kind.DIFF, view=View.SINCE_FULL, reason="first diff after a full")
         upcoming = None
@@ -201,6 +231,34 @@ class IntermittentPolicy(Policy):
         if full <= keep:
             return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
         return Decision(Kind.DIFF, view=View.SINCE_FULL, reason=f"predictor: diff ({detail})")
+
+    def _decide_mixed(self, stats: PolicyInput) -> Decision:
+        """Full, one-shot or incremental: each priced in units of the full checkpoint."""
+        w = self.restore_weight
+        full_bytes = max(stats.history[0].bytes, 1)
+        diffs = stats.history[1:]
+        # Bytes per dirty fraction: the latest diff's, or the full's before any diff.
+        rate = 1.0
+        if diffs and diffs[-1].dirty_fraction > 0:
+            rate = diffs[-1].bytes / full_bytes / diffs[-1].dirty_fraction
+        chain = (stats.chain_bytes or full_bytes + (diffs[-1].bytes if diffs else 0)) / full_bytes
+        one_shot = rate * stats.dirty_since_full
+        incremental = rate * stats.dirty_since_last
+        cost_one_shot = one_shot + w * (1.0 + one_shot)
+        cost_incremental = incremental + w * (chain + incremental)
+        view = View.SINCE_FULL if cost_one_shot <= cost_incremental else View.SINCE_LAST
+        upcoming = min(cost_one_shot, cost_incremental)
+        # Check-N-Run's forecast over the next i + 1 checkpoints: keeping on costs at least the
+        # next diff's price each time; a full now costs itself, then the diffs so far again
+        # (priced as written, plus a restore reading the full and each).
+        horizon = len(diffs) + 1
+        keep = horizon * upcoming
+        full = 1.0 + w + sum(d.bytes / full_bytes * (1.0 + w) + w for d in diffs)
+        detail = f"keep {keep:.3f} vs full {full:.3f} over {horizon} checkpoints"
+        if diffs and full <= keep:
+            return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
+        kind = "one-shot" if view is View.SINCE_FULL else "incremental"
+        return Decision(Kind.DIFF, view=view, reason=f"predictor: {kind} diff ({detail})")
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -138,3 +138,64 @@ def test_delta_diffs_take_a_full_after_a_restore(results) -> None:
     # A restore leaves no reconstruction to take deltas against: the next save is a full.
     for out in results:
         assert out["kinds_after_restores"] == ["full", "full", "full"]
+
+
+def _mixed_chain(rank: int, world_size: int, root: str) -> dict:
+    """Full, one-shot, incremental, incremental, one-shot, incremental: a chain mixing both
+    diff kinds (as ``intermittent`` with ``diffs: auto`` writes), with delta diffs."""
+    from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.policy import POLICIES, Decision, Kind, Policy
+    from embckpt.tracking import View
+
+    views = [View.SINCE_FULL, View.SINCE_LAST, View.SINCE_LAST, View.SINCE_FULL, View.SINCE_LAST]
+
+    class Scripted(Policy):
+        name = "test_mixed"
+        mixes_diffs = True
+
+        def _decide_diff(self, stats):  # type: ignore[no-untyped-def]
+            return Decision(Kind.DIFF, view=views[len(stats.history) - 1])
+
+    POLICIES[Scripted.name] = Scripted
+    config = CheckpointConfig(policy="test_mixed", full_every=0, codec="adaptive", bits=4)
+    model, opt = tm.build(world_size, seed=0)
+    with Checkpointer(model, f"{root}/mixed", optimizer=opt, config=config) as ckpt:
+        manifests = []
+        for step in range(1, 19):
+            tm.train_step(model, opt, step, rank, hot=120)
+            if step % 3 == 0:
+                manifests.append(ckpt.save(step).wait())
+        reference = {
+            s.key: ckpt.writer.reference.rows(s.key, torch.arange(s.num_rows))
+            for s in ckpt.sharded.writer_shards()
+        }
+    expected = tm.snapshot_state(model, opt, rank)
+    fresh, fresh_opt = tm.build(world_size, seed=7)
+    with Checkpointer(fresh, f"{root}/mixed", optimizer=fresh_opt, config=config) as c:
+        c.restore()
+    got = tm.snapshot_state(fresh, fresh_opt, rank)
+    return {
+        "parents": [m.parent_step for m in manifests],
+        "chain_bytes": [m.stats["chain_bytes"] for m in manifests],
+        "bytes": [m.total_bytes for m in manifests],
+        "error": _relative_error(expected, got)[0],
+        "mismatch": [k for k, v in reference.items() if not torch.equal(got[f"w:{k}"], v)],
+    }
+
+
+def test_a_chain_mixing_one_shot_and_incremental_deltas_restores_the_writers_state() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_mixed_chain, 2, root)
+    for rank, r in enumerate(results):
+        assert r["parents"] == [None, 3, 6, 9, 3, 15], rank
+        b = r["bytes"]
+        assert r["chain_bytes"] == [
+            b[0],
+            b[0] + b[1],
+            b[0] + b[1] + b[2],
+            sum(b[:4]),
+            b[0] + b[4],
+            b[0] + b[4] + b[5],
+        ], rank
+        assert r["mismatch"] == [], rank
+        assert 0 < r["error"] <= BOUNDS["adaptive4"], rank

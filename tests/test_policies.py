@@ -61,6 +61,33 @@ def test_intermittent_starts_with_a_full_then_a_diff() -> None:
     assert _decide(policy, [], dirty_now=0.2) is Kind.DIFF
 
 
+def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> None:
+    from embckpt.tracking import View
+
+    auto = IntermittentPolicy(restore_weight=0.05, diffs="auto")
+    assert auto.mixes_diffs and not IntermittentPolicy().mixes_diffs
+
+    def decide(n_diffs: int, since_full: float, chain: float):
+        # Incremental diffs of 0.05 each (0.05 of the rows), one-shot ones would hold since_full.
+        history = _history([0.05] * n_diffs)
+        stats = PolicyInput(99, 0.05, since_full, history, int(1000 * chain))
+        return auto.decide(stats)
+
+    # Early in a chain: the rows changed since the full are 4x those since the last: incremental.
+    early = decide(3, since_full=0.2, chain=1.15)
+    assert (early.kind, early.view) == (Kind.DIFF, View.SINCE_LAST)
+    # Little changed beyond the last interval's rows: the one-shot diff costs no more to write
+    # and restores from the full alone.
+    settled = decide(3, since_full=0.05, chain=1.15)
+    assert (settled.kind, settled.view) == (Kind.DIFF, View.SINCE_FULL)
+    # A long chain: restores would read it all; the forecast takes a full.
+    assert decide(30, since_full=0.6, chain=2.5).kind is Kind.FULL
+    # With restores weightless, keep-on writes less than a full for as long as in the replay.
+    writes_only = IntermittentPolicy(restore_weight=0.0, diffs="auto")
+    stats = PolicyInput(99, 0.05, 0.6, _history([0.05] * 30), 2500)
+    assert writes_only.decide(stats).kind is Kind.DIFF
+
+
 def test_policy_options_are_checked() -> None:
     config = CheckpointConfig(policy="intermittent", policy_options={"rule": "checknrun"})
     assert make_policy(config).rule == "checknrun"
@@ -68,6 +95,12 @@ def test_policy_options_are_checked() -> None:
         make_policy(CheckpointConfig(policy="one_shot", policy_options={"rule": "cost"}))
     with pytest.raises(ConfigError, match="rule"):
         make_policy(CheckpointConfig(policy="intermittent", policy_options={"rule": "magic"}))
+    with pytest.raises(ConfigError, match="diffs"):
+        make_policy(
+            CheckpointConfig(
+                policy="intermittent", policy_options={"rule": "checknrun", "diffs": "auto"}
+            )
+        )
 
 
 @pytest.mark.parametrize(

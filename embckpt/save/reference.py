@@ -8,8 +8,9 @@ nothing is read back from storage:
 - the base: the full checkpoint's *encoded* rows, as its files hold them (a 4-bit row of 64
   values is 36 bytes instead of 256 in fp32), decoded only for the rows a diff writes;
 - an overlay: fp32 rows that incremental diffs changed since the full (their base plus the
-  deltas written since), allocated as such diffs come; one-shot diffs leave the reference at
-  the base and allocate nothing.
+  deltas written since), allocated as such diffs come; one-shot diffs take their deltas
+  against the base alone and leave the reference there, unless incremental diffs may follow
+  them (``Policy.mixes_diffs``): then they restart the overlay with what they reconstruct.
 
 A full checkpoint resets both. After a restart or a restore there is no reference until the
 next full (the checkpointer takes one).
@@ -67,6 +68,7 @@ class ReconstructedRows:
         self._shapes: dict[str, tuple[int, int]] = {}
         self._overlay: dict[str, _Overlay] = {}
         self._base_step: int | None = None
+        self._chain_step: int | None = None
         self._lock = threading.Lock()
 
     @property
@@ -79,6 +81,7 @@ class ReconstructedRows:
             self._base.clear()
             self._overlay.clear()
             self._base_step = None
+            self._chain_step = None
 
     def set_base(
         self,
@@ -107,12 +110,20 @@ class ReconstructedRows:
             self._base.setdefault(key, []).append(piece)
             self._shapes[key] = shape
 
-    def rows(self, key: str, local_rows: torch.Tensor) -> torch.Tensor:
-        """The reconstruction of rows ``local_rows`` (sorted) of block ``key``, fp32 [n, cols]."""
+    def reset_chain(self, step: int) -> None:
+        """A one-shot diff ``step`` starts the chain again from the base (once per step)."""
+        with self._lock:
+            if step != self._chain_step:
+                self._overlay.clear()
+                self._chain_step = step
+
+    def rows(self, key: str, local_rows: torch.Tensor, chain: bool = True) -> torch.Tensor:
+        """The reconstruction of rows ``local_rows`` (sorted) of block ``key``, fp32 [n, cols]:
+        of the chain so far, or with ``chain=False`` of the base full alone."""
         wanted = local_rows.cpu().numpy()
         with self._lock:
             pieces = list(self._base.get(key, ()))
-            overlay = self._overlay.get(key)
+            overlay = self._overlay.get(key) if chain else None
         out: torch.Tensor | None = None
         found = np.zeros(len(wanted), dtype=bool)
         for piece in pieces:
@@ -140,12 +151,8 @@ class ReconstructedRows:
                 out[torch.from_numpy(changed)] = overlay.values[torch.from_numpy(slots[changed])]
         return out
 
-    def add(self, key: str, local_rows: torch.Tensor, decoded: torch.Tensor) -> None:
-        """An incremental diff's decoded delta joins the reconstruction."""
-        self.replace(key, local_rows, self.rows(key, local_rows) + decoded.float().cpu())
-
     def replace(self, key: str, local_rows: torch.Tensor, current: torch.Tensor) -> None:
-        """Rows an incremental diff wrote whole now reconstruct as ``current``."""
+        """Rows ``local_rows`` of block ``key`` now reconstruct as ``current``."""
         current = current.float().cpu()
         with self._lock:  # writers of several parts of one block may add at once
             overlay = self._overlay.get(key)

@@ -47,6 +47,8 @@ class RowFileWriter:
         rank: this rank (recorded in each file's manifest entry).
         row_group_rows: Parquet row-group size.
         threads: files encoded and written at once.
+        track_chain: one-shot diffs may be followed by incremental ones (delta codecs then
+            keep what each one-shot diff reconstructs).
     """
 
     def __init__(
@@ -58,12 +60,14 @@ class RowFileWriter:
         rank: int,
         row_group_rows: int,
         threads: int,
+        track_chain: bool = False,
     ) -> None:
         self.store = store
         self.state_codec = state_codec
         self.base_codec = base_codec
         self.rank = rank
         self.row_group_rows = row_group_rows
+        self.track_chain = track_chain
         self.reference = ReconstructedRows()
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
 
@@ -98,25 +102,31 @@ class RowFileWriter:
             encoded = base.encode(block.weights)
             self.reference.set_base(step, key, (shard.num_rows, cols), rows, base, encoded)
             return [_Part(base, encoded)]
-        reference = self.reference.rows(key, rows)
-        incremental = decision.view is View.SINCE_LAST  # the chain now includes this diff
+        one_shot = decision.view is View.SINCE_FULL
+        if one_shot and self.track_chain:
+            self.reference.reset_chain(step)
+        reference = self.reference.rows(key, rows, chain=not one_shot)
+        # The chain goes on from this diff: incremental diffs always, one-shot ones when
+        # incremental diffs may follow (the policy mixes them).
+        chained = not one_shot or self.track_chain
         if not isinstance(codec, DeltaCodec):
             encoded = codec.encode(block.weights.float().cpu() - reference)
-            if incremental:
-                self.reference.add(key, rows, codec.decode(encoded, cols))
+            if chained:
+                self.reference.replace(key, rows, reference + codec.decode(encoded, cols))
             return [_Part(codec, encoded)]
         split = codec.encode_split(block.weights, reference)
         parts = []
         if len(split.delta_rows):
             parts.append(_Part(codec, split.delta, split.delta_rows))
-            if incremental:
-                delta_rows = rows[torch.from_numpy(split.delta_rows)]
-                self.reference.add(key, delta_rows, codec.decode(split.delta, cols))
+            if chained:
+                at = torch.from_numpy(split.delta_rows)
+                rebuilt = reference[at] + codec.decode(split.delta, cols)
+                self.reference.replace(key, rows[at], rebuilt)
         if split.whole is not None:
             parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole"))
-            if incremental:
-                whole_rows = rows[torch.from_numpy(split.whole_rows)]
-                self.reference.replace(key, whole_rows, codec.whole.decode(split.whole, cols))
+            if chained:
+                at = torch.from_numpy(split.whole_rows)
+                self.reference.replace(key, rows[at], codec.whole.decode(split.whole, cols))
         return parts
 
     def _write(self, step: int, block: StagedUnit, part: _Part) -> FileEntry:
