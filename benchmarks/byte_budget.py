@@ -46,6 +46,8 @@ PARTS = (
 _UNIFORM_PARAMS = {"asymmetric": 2, "adaptive": 2, "symmetric": 1}
 """Per-row parameters (scale, bias) after the packed codes, for the uniform row layout."""
 _PARAM_BYTES = {"float16": 2, "float32": 4}
+WHOLE_SUFFIX = ".whole.parquet"
+"""A delta diff's sibling file of rows written whole (embckpt/save/writer.py)."""
 _CODE_WIDTHS = (2, 3, 4, 8)
 """Widths at which a delta entry is an inner uniform row; other widths are fp32 changes."""
 
@@ -171,7 +173,8 @@ def _split_delta(
 
 def rows_file_budget(path: str | Path) -> dict[str, Any]:
     """Bytes of one rows file by part (see :data:`PARTS`), plus ``rows``, ``bytes`` and, for a
-    ``delta`` file, ``delta_widths`` (rows per code width; 0: unchanged, 32: fp32)."""
+    ``delta`` file, ``delta_widths`` (rows per code width; 0: unchanged, 32: fp32; ``whole``:
+    a delta diff's rows written whole)."""
     path = Path(path)
     parquet = pq.ParquetFile(path)
     metadata = parquet.metadata
@@ -190,6 +193,8 @@ def rows_file_budget(path: str | Path) -> dict[str, Any]:
         else:
             for part, value in split.items():
                 parts[part] += value
+    if path.name.endswith(WHOLE_SUFFIX):
+        widths = {"whole": metadata.num_rows}
     size = path.stat().st_size
     parts["parquet_overhead"] = size - sum(parts.values())
     return {**parts, "rows": metadata.num_rows, "bytes": size, "delta_widths": widths}
@@ -261,7 +266,8 @@ def format_budget(budgets: Mapping[str, Mapping[str, Any]]) -> str:
         mix = budget.get("delta_widths")
         if mix:
             shares = ", ".join(
-                f"{bits} bits {count / budget['rows']:.1%}" for bits, count in mix.items()
+                f"{bits}{' bits' if bits.isdigit() else ''} {count / budget['rows']:.1%}"
+                for bits, count in mix.items()
             )
             lines.append(f"{name}: delta rows by width: {shares}")
     return "\n".join(lines)

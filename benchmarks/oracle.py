@@ -42,16 +42,17 @@ class Pricing:
         return np.triu(cost, k=1)
 
 
-def schedule_bytes(kinds: list[str], full_bytes: float, diff_costs: np.ndarray) -> float:
-    """Bytes written by ``kinds`` (``full`` / ``diff`` per interval, one-shot diffs), with
-    ``diff_costs[f, t]`` the bytes of a diff at ``t`` after a full at ``f``."""
-    total, last_full = 0.0, 0
-    for t, kind in enumerate(kinds):
-        if kind == "full":
-            total, last_full = total + full_bytes, t
-        else:
-            total += float(diff_costs[last_full, t])
-    return total
+def schedule_bytes(parents: list[int | None], full_bytes: float, diff_costs: np.ndarray) -> float:
+    """Bytes written by a schedule: ``parents[t]`` is None for a full at ``t``, else the
+    interval the diff at ``t`` applies on (its full for a one-shot diff, the previous checkpoint
+    for an incremental one), with ``diff_costs[p, t]`` the bytes of a diff at ``t`` on ``p``."""
+    return sum(full_bytes if p is None else float(diff_costs[p, t]) for t, p in enumerate(parents))
+
+
+def one_shot_parents(kinds: list[str]) -> list[int | None]:
+    """The parents of ``kinds`` (``full`` / ``diff`` per interval) when every diff is one-shot."""
+    fulls = np.maximum.accumulate(np.where(np.array(kinds) == "full", np.arange(len(kinds)), 0))
+    return [None if kind == "full" else int(f) for kind, f in zip(kinds, fulls, strict=True)]
 
 
 def best_schedule(full_bytes: float, diff_costs: np.ndarray) -> tuple[float, list[str]]:

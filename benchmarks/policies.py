@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from byte_budget import checkpoint_budget, format_budget, merge_budgets  # noqa: E402
 from common import RESULTS, build_workload, write_result  # noqa: E402
-from oracle import Pricing, best_schedule, schedule_bytes, union_counts  # noqa: E402
+from oracle import Pricing, best_schedule, one_shot_parents, schedule_bytes, union_counts  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping, load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -132,6 +132,7 @@ def _worker(
                     {
                         "step": step,
                         "kind": manifest.kind,
+                        "parent_step": manifest.parent_step,
                         "bytes": manifest.total_bytes,
                         "rows": manifest.rows_written,
                         "rows_bytes": rows_bytes,
@@ -252,6 +253,11 @@ def _rows_bytes_per_row(records: list[dict[str, Any]], kind: str | None = None) 
     return sum(r["rows_bytes"] for r in chosen) / rows if rows else None
 
 
+def _schedule_string(parents: list[int | None]) -> str:
+    """F: full, d: one-shot diff (on a full), i: incremental diff (on a diff)."""
+    return "".join("F" if p is None else "d" if parents[p] is None else "i" for p in parents)
+
+
 def _oracle(
     runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float
 ) -> dict[str, Any]:
@@ -267,8 +273,9 @@ def _oracle(
     )
     costs = pricing.diff_costs(counts)
     oracle_bytes, oracle_kinds = best_schedule(pricing.full_bytes, costs)
-    actual_kinds = [r["kind"] for r in records]
-    priced = schedule_bytes(actual_kinds, pricing.full_bytes, costs)
+    index = {r["step"]: t for t, r in enumerate(records)}
+    parents = [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
+    priced = schedule_bytes(parents, pricing.full_bytes, costs)
     actual = sum(r["bytes"] for r in records)
     one_shot = runs["one_shot"]
     predicted = counts[0, 1:]
@@ -276,11 +283,11 @@ def _oracle(
     intervals = len(records)
     return {
         "pricing": dataclasses.asdict(pricing),
-        "schedule": "".join("F" if k == "full" else "d" for k in oracle_kinds),
+        "schedule": _schedule_string(one_shot_parents(oracle_kinds)),
         "fulls": oracle_kinds.count("full"),
         "mean_bytes_per_interval": oracle_bytes / intervals,
         "write_reduction_x": fp32 * intervals / oracle_bytes,
-        "intermittent_schedule": "".join("F" if k == "full" else "d" for k in actual_kinds),
+        "intermittent_schedule": _schedule_string(parents),
         "intermittent_priced_bytes_per_interval": priced / intervals,
         "intermittent_priced_write_reduction_x": fp32 * intervals / priced,
         "intermittent_actual_write_reduction_x": fp32 * intervals / actual,

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 from byte_budget import PARTS, checkpoint_budget  # noqa: E402
-from oracle import Pricing, best_schedule, schedule_bytes, union_counts  # noqa: E402
+from oracle import Pricing, best_schedule, one_shot_parents, schedule_bytes, union_counts  # noqa: E402
 
 HUFFMAN_STEP = Path(__file__).parent / "fixtures/v1/adaptive_incremental/step_000000000005"
 
@@ -33,13 +33,24 @@ def test_best_schedule_is_the_cheapest_of_every_schedule() -> None:
     pricing = Pricing(full_bytes=400.0, diff_row_bytes=2.0, diff_fixed_bytes=30.0)
     costs = pricing.diff_costs(counts)
     cheapest = min(
-        schedule_bytes(["full", *rest], pricing.full_bytes, costs)
+        schedule_bytes(one_shot_parents(["full", *rest]), pricing.full_bytes, costs)
         for rest in itertools.product(["full", "diff"], repeat=6)
     )
     total, kinds = best_schedule(pricing.full_bytes, costs)
     assert kinds[0] == "full"
     assert np.isclose(total, cheapest)
-    assert np.isclose(schedule_bytes(kinds, pricing.full_bytes, costs), total)
+    assert np.isclose(schedule_bytes(one_shot_parents(kinds), pricing.full_bytes, costs), total)
+
+
+def test_a_schedule_prices_each_diff_on_its_parent() -> None:
+    touched = np.eye(4, dtype=bool).repeat(10, axis=1)  # interval t touches its own 10 rows
+    costs = Pricing(full_bytes=100.0, diff_row_bytes=1.0, diff_fixed_bytes=0.0).diff_costs(
+        union_counts(touched)
+    )
+    assert one_shot_parents(["full", "diff", "full", "diff"]) == [None, 0, None, 2]
+    one_shot = schedule_bytes([None, 0, 0, 0], 100.0, costs)  # 10 + 20 + 30 rows
+    incremental = schedule_bytes([None, 0, 1, 2], 100.0, costs)  # 10 + 10 + 10 rows
+    assert (one_shot, incremental) == (160.0, 130.0)
 
 
 def test_best_schedule_takes_a_full_when_diffs_grow_past_it() -> None:
