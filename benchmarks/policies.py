@@ -35,8 +35,9 @@ from embckpt.examples.workload import DemoConfig  # noqa: E402
 POLICIES = ("full", "one_shot", "incremental", "intermittent")
 BENCH_CODEC = {"codec": "adaptive", "bits": 4}
 """The codec when neither the config nor the command line names one (today's 4-bit adaptive)."""
-FORCED = {"full_every": 0, "keep_last": 1}
-"""What every run shares whatever the config: fulls only when a policy asks, the latest chain."""
+FORCED = {"policy": "intermittent", "full_every": 0, "keep_last": 1}
+"""What every run shares whatever the config: fulls only when a policy asks, the latest chain.
+``policy_options`` are the intermittent run's (checked against it); the other policies take none."""
 
 
 def _dir_bytes(path: Path) -> int:
@@ -113,7 +114,8 @@ def _worker(
     out: dict[str, Any] = {"runs": {}, "union_counts": {}, "rel_l2": {}}
     for policy in POLICIES:
         work = build_workload(rank, world_size, cfg, dataset)
-        config = dataclasses.replace(cfg.checkpoint, policy=policy)
+        options = cfg.checkpoint.policy_options if policy == "intermittent" else {}
+        config = dataclasses.replace(cfg.checkpoint, policy=policy, policy_options=options)
         directory = Path(root) / policy
         records = []
         touched = []
