@@ -179,18 +179,18 @@ def weighted_auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray) ->
     w = weights[:, order]
     new_group = np.r_[True, ranked[1:] != ranked[:-1]]
     group = np.cumsum(new_group) - 1
-    negative_w = np.where(positive, 0.0, w)
+    negative_w = w * ~positive
     per_group = np.add.reduceat(negative_w, np.flatnonzero(new_group), axis=1)
     # Negatives scored below each group, plus half of those tied with it.
     credit = np.cumsum(per_group, axis=1) - 0.5 * per_group
-    positive_w = np.where(positive, w, 0.0)
+    positive_w = w * positive
     pairs = positive_w.sum(axis=1) * negative_w.sum(axis=1)
     return (positive_w * credit[:, group]).sum(axis=1) / pairs
 
 
 def log_loss(logits: np.ndarray, labels: np.ndarray) -> float:
     """Mean binary cross-entropy of ``logits`` against ``labels``."""
-    return float(np.mean(np.logaddexp(0.0, logits) - labels * logits))
+    return float(np.mean(np.logaddexp(logits, 0.0) - labels * logits))
 
 
 def paired_bootstrap(
@@ -231,8 +231,8 @@ def summarise(rows: list[dict[str, Any]], labels: np.ndarray, resamples: int) ->
     table = []
     for name, failures in dict.fromkeys((r["name"], r["failures"]) for r in variant_rows):
         runs = [r for r in variant_rows if (r["name"], r["failures"]) == (name, failures)]
-        deltas = [r["auc_delta"] for r in runs]
-        mean = statistics.mean(deltas)
+        seed_deltas = [r["auc_delta"] for r in runs]
+        mean = statistics.mean(seed_deltas)
         table.append(
             {
                 "variant": name,
@@ -240,8 +240,8 @@ def summarise(rows: list[dict[str, Any]], labels: np.ndarray, resamples: int) ->
                 "seeds": len(runs),
                 "auc_mean": statistics.mean(r["auc"] for r in runs),
                 "auc_delta_mean": mean,
-                "auc_delta_min": min(deltas),
-                "auc_delta_max": max(deltas),
+                "auc_delta_min": min(seed_deltas),
+                "auc_delta_max": max(seed_deltas),
                 # Of the mean over seeds: the per-seed bootstrap errors are independent.
                 "auc_delta_se": float(np.sqrt(sum(r["auc_delta_se"] ** 2 for r in runs)))
                 / len(runs),
