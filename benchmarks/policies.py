@@ -3,10 +3,15 @@ interval and storage held over time, for full, one-shot, consecutive incremental
 intermittent differential checkpoints.
 
 Every policy trains the same deterministic run (``configs/bench_spine.yaml``: Criteo schema,
-~1M 64-dim rows, Zipf-skewed ids, 2 gloo ranks) and checkpoints every ``--interval`` steps with
-the same codec (4-bit adaptive by default) and retention (the latest checkpoint and its chain).
-Baselines: a full fp32 checkpoint per interval (bytes written) and keeping every one of them
-(storage held). Writes ``benchmarks/results/policies.json`` and two PNG plots beside it.
+~1M 64-dim rows, Zipf-skewed ids, 2 gloo ranks) and checkpoints every ``--every`` steps with
+the same settings (:data:`BENCH_CODEC`: 4-bit adaptive rows, delta diffs, log8 optimizer state,
+intermittent diffs priced both ways; the config and ``--set`` override them) and retention (the
+latest checkpoint and its chain). Baselines: a full fp32 checkpoint per interval (bytes written)
+and keeping every one of them (storage held). The summary adds bytes per written diff row, the
+restored rows' relative l2 error against the live weights (and the whole-row codec's, from the
+``full`` run), and the best full / one-shot schedule knowing the future (``oracle.py``) beside
+the one-shot-only intermittent run. Writes ``benchmarks/results/policies.json`` and two PNG
+plots beside it.
 """
 
 from __future__ import annotations
@@ -32,9 +37,18 @@ from embckpt.config import CheckpointConfig, from_mapping, load_yaml  # noqa: E4
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig  # noqa: E402
 
-POLICIES = ("full", "one_shot", "incremental", "intermittent")
-BENCH_CODEC = {"codec": "adaptive", "bits": 4}
-"""The codec when neither the config nor the command line names one (today's 4-bit adaptive)."""
+POLICIES = ("full", "one_shot", "incremental", "intermittent", "intermittent_one_shot")
+"""The runs: each policy, and ``intermittent_one_shot``, the intermittent policy with its options
+but Check-N-Run's one-shot diffs only (``diffs: one_shot``), for comparison."""
+BENCH_CODEC = {
+    "codec": "adaptive",
+    "bits": 4,
+    "optimizer_codec": "log8",
+    "policy_options": {"diffs": "auto"},
+}
+"""What the runs use unless the config or the command line say otherwise: today's 4-bit adaptive
+rows (as deltas in diffs: ``diff_deltas`` is on by default), the opt-in one-byte optimizer state
+(its effect on AUC: benchmarks/accuracy.py) and intermittent diffs priced both ways."""
 FORCED = {"policy": "intermittent", "full_every": 0, "keep_last": 1}
 """What every run shares whatever the config: fulls only when a policy asks, the latest chain.
 ``policy_options`` are the intermittent run's (checked against it); the other policies take none."""
@@ -114,8 +128,14 @@ def _worker(
     out: dict[str, Any] = {"runs": {}, "union_counts": {}, "rel_l2": {}}
     for policy in POLICIES:
         work = build_workload(rank, world_size, cfg, dataset)
-        options = cfg.checkpoint.policy_options if policy == "intermittent" else {}
-        config = dataclasses.replace(cfg.checkpoint, policy=policy, policy_options=options)
+        options: dict[str, Any] = {}
+        if policy.startswith("intermittent"):
+            options = dict(cfg.checkpoint.policy_options)
+            if policy == "intermittent_one_shot":
+                options["diffs"] = "one_shot"
+        config = dataclasses.replace(
+            cfg.checkpoint, policy=policy.removesuffix("_one_shot"), policy_options=options
+        )
         directory = Path(root) / policy
         records = []
         touched = []
@@ -175,6 +195,7 @@ def _plots(runs: dict[str, list[dict[str, Any]]], codec: str, out: Path) -> list
         "one_shot": "#f08c2e",
         "incremental": "#3a9d5d",
         "intermittent": "#b33a3a",
+        "intermittent_one_shot": "#8a5fb3",
     }
     steps = [r["step"] for r in runs["full"]]
     fp32 = runs["full"][0]["full_fp32_bytes"]
@@ -255,17 +276,23 @@ def _rows_bytes_per_row(records: list[dict[str, Any]], kind: str | None = None) 
     return sum(r["rows_bytes"] for r in chosen) / rows if rows else None
 
 
+def _parents(records: list[dict[str, Any]]) -> list[int | None]:
+    """Each checkpoint's parent as an index into ``records`` (None for a full)."""
+    index = {r["step"]: t for t, r in enumerate(records)}
+    return [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
+
+
 def _schedule_string(parents: list[int | None]) -> str:
     """F: full, d: one-shot diff (on a full), i: incremental diff (on a diff)."""
     return "".join("F" if p is None else "d" if parents[p] is None else "i" for p in parents)
 
 
 def _oracle(
-    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float
+    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float, run: str
 ) -> dict[str, Any]:
-    """The best full / one-shot-diff schedule for the intermittent run's intervals, priced from
-    the measured checkpoints, beside the intermittent policy's actual schedule."""
-    records = runs["intermittent"]
+    """The best full / one-shot-diff schedule for run ``run``'s intervals, priced from its
+    measured checkpoints, beside that run's actual schedule (``intermittent_*`` keys)."""
+    records = runs[run]
     diffs = [r for r in records if r["kind"] == "diff"]
     fulls = [r["bytes"] for run in runs.values() for r in run if r["kind"] == "full"]
     pricing = Pricing(
@@ -275,8 +302,7 @@ def _oracle(
     )
     costs = pricing.diff_costs(counts)
     oracle_bytes, oracle_kinds = best_schedule(pricing.full_bytes, costs)
-    index = {r["step"]: t for t, r in enumerate(records)}
-    parents = [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
+    parents = _parents(records)
     priced = schedule_bytes(parents, pricing.full_bytes, costs)
     actual = sum(r["bytes"] for r in records)
     one_shot = runs["one_shot"]
@@ -359,7 +385,10 @@ def main() -> None:
             f"restored rel l2 {table[policy]['restored_rel_l2']:.4f}"
         )
     keep_all_fp32 = fp32 * len(runs["full"])
-    oracle = _oracle(runs, counts["intermittent"], fp32)
+    # The oracle searches fulls and one-shot diffs: Check-N-Run's schedule space, which the
+    # one-shot-only intermittent run shares (with incremental diffs allowed, one full and then
+    # only incremental diffs would write least, whatever restores cost).
+    oracle = _oracle(runs, counts["intermittent_one_shot"], fp32, "intermittent_one_shot")
     intermittent = table["intermittent"]
     summary = {
         "codec": codec,
@@ -376,6 +405,10 @@ def main() -> None:
         "whole_row_rel_l2": table["full"]["restored_rel_l2"],
         "rel_l2_no_worse": intermittent["restored_rel_l2"] <= table["full"]["restored_rel_l2"],
         "oracle_write_reduction_x": oracle["write_reduction_x"],
+        "one_shot_intermittent_write_reduction_x": table["intermittent_one_shot"][
+            "write_reduction_x"
+        ],
+        "intermittent_schedule": _schedule_string(_parents(runs["intermittent"])),
         "runtime_s": runtime_s,
     }
     byte_budget = {k: intermittent["byte_budget"][k] for k in ("full", "diff")}
@@ -394,7 +427,7 @@ def main() -> None:
     )
     print(format_budget({k: v for k, v in byte_budget.items() if v is not None}))
     print(
-        f"oracle {oracle['schedule']} {oracle['write_reduction_x']:.1f}x; intermittent "
+        f"oracle {oracle['schedule']} {oracle['write_reduction_x']:.1f}x; one-shot intermittent "
         f"{oracle['intermittent_schedule']} {oracle['intermittent_actual_write_reduction_x']:.1f}x "
         f"(priced alike: {oracle['intermittent_priced_write_reduction_x']:.1f}x)"
     )

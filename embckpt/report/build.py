@@ -90,7 +90,7 @@ ever added, never renamed; ``?`` marks a value that may be null; tests check thi
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -215,7 +215,7 @@ def _checkpoint_row(
         "dirty_fraction": manifest.stats.get("dirty_fraction"),
         "save_seconds": manifest.stats.get("save_seconds"),
         "reason": manifest.stats.get("reason"),
-        "codec": str(manifest.codec.get("id", "?")),
+        "codec": _codec_label(manifest.codec),
         "created_unix": manifest.stats.get("created_unix"),
         "files": len(manifest.files),
         "bytes_on_disk": sum(sizes.get(f.path, 0) for f in manifest.files),
@@ -415,3 +415,12 @@ def _total_lines(totals: dict[str, Any]) -> Iterator[str]:
         f"restore    the latest checkpoint reads {format_bytes(totals['restore_chain_bytes'])}: "
         f"steps {steps}{complete}"
     )
+
+
+def _codec_label(codec: Mapping[str, Any]) -> str:
+    """The job's codec id; a ``delta`` job's names its whole-row codec too (``adaptive+delta``:
+    fulls in the inner codec, diffs as its deltas)."""
+    inner = codec.get("inner")
+    if isinstance(inner, Mapping):
+        return f"{inner.get('id', '?')}+delta"
+    return str(codec.get("id", "?"))
