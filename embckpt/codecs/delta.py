@@ -16,8 +16,13 @@ gives the row the first width whose restored error is within it, trying in turn:
 - the inner codec on the change at 2, 3, 4 and 8 bits;
 - the change's own fp32 bytes (``RAW_BITS``), exact up to the rounding of the addition.
 
-So no row restores worse than a whole-row code at ``bits`` would (up to fp32 rounding), while
-most rows cost nothing or 2-bit codes (benchmarks/results/policies.json measures the mix).
+So no row restores worse than a whole-row code at ``bits`` would (up to fp32 rounding). How
+often each width pays depends on how far rows moved: a few steps apart, most rows cost nothing
+or 2-bit codes; early in training, when rows grow from their small initial values, the change
+is as wide as the row. The writer therefore uses :meth:`DeltaCodec.encode_split`: a row whose
+change needs more than ``bits`` bits is written whole instead (the same bytes as a whole-row
+code, or fewer), in a second file the restore replaces rows from.
+(benchmarks/results/policies.json records the mix per checkpoint kind.)
 
 Format (version 1): ``payload`` is a variable-size binary column, one entry per row: empty for
 width 0, the inner codec's fixed-size ``payload`` entry (codes, then scale and bias) for widths
