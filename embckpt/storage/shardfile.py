@@ -8,8 +8,10 @@ codec ``state.<name>.<column>``, the state encoded as a batch [rows, 1]) and
 holds the codec configs, what they need to decode and the block's shape. Encodings: no
 dictionary (row payloads never repeat), delta-coded row ids, BYTE_STREAM_SPLIT float lists
 (``raw``, ``fp16``, ``bf16`` payloads and element-wise optimizer state), plain for the rest, no
-generic compression unless the codec asks for it; pyarrow's defaults measured about 5x slower
-to write on such files.
+generic compression unless the codec asks for it (pyarrow's defaults measured about 5x slower
+to write on such files), but for the row ids: zstd over their delta-coded bytes, 0.95 -> 0.86
+bytes per id in a diff of 54k scattered rows of 1M (the gaps' entropy is 0.66), next to
+nothing in a full, whose ids are consecutive.
 
 Partial reads: :func:`index_file` records, at write time, the byte range and CRC32C of every
 row group and of the footer (the manifest keeps them, see ``FileIndex``), and combines them into
@@ -140,6 +142,7 @@ def encode_file(
     )
     table = pa.Table.from_arrays(list(columns.values()), schema=schema)
     compression = {name: "none" for name in columns}
+    compression[ROW_COLUMN] = "zstd"
     compression.update(encoded.compression)
     for prefix, states in coded.items():
         for name, state in states.items():
