@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embckpt.codecs import make_codec
+from embckpt.codecs import Codec, EncodedRows, make_codec
 from embckpt.storage.shardfile import encode_file
 
 ROWS, COLS = 24, 16
@@ -61,19 +61,25 @@ def main(folder: str) -> None:
     for name, (codec_id, options) in CASES.items():
         codec = make_codec(codec_id, options)
         rows = sample_rows(delta=codec.delta)
-        encoded = codec.encode(rows)
-        data = encode_file(
-            rows=np.arange(ROWS, dtype=np.int64),
-            encoded=encoded,
-            row_states={},
-            elem_states={},
-            metadata={"codec": codec.get_config()},
-            row_group_rows=8,
-        )
-        (out / f"{name}.parquet").write_bytes(data.to_pybytes())
-        np.save(out / f"{name}.npy", codec.decode(encoded, COLS).numpy())
-        index[name] = {"codec": codec.get_config(), "cols": COLS}
+        index[name] = write_case(out, name, codec, codec.encode(rows), COLS)
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+
+
+def write_case(out: Path, name: str, codec: Codec, encoded: EncodedRows, cols: int) -> dict:
+    """Writes one golden case, ``<name>.parquet`` (the rows file, row ids 0..n-1) and
+    ``<name>.npy`` (what it decodes to), and returns its entry in ``index.json``."""
+    n = len(next(iter(encoded.columns.values())))
+    data = encode_file(
+        rows=np.arange(n, dtype=np.int64),
+        encoded=encoded,
+        row_states={},
+        elem_states={},
+        metadata={"codec": codec.get_config()},
+        row_group_rows=8,
+    )
+    (out / f"{name}.parquet").write_bytes(data.to_pybytes())
+    np.save(out / f"{name}.npy", codec.decode(encoded, cols).numpy())
+    return {"codec": codec.get_config(), "cols": cols}
 
 
 if __name__ == "__main__":

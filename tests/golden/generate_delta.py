@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
+from generate import write_case  # the row codecs' generator, beside this one
 
 from embckpt.codecs import DeltaCodec, make_codec
-from embckpt.storage.shardfile import encode_file
 
 ROWS, COLS = 24, 16
 FOLDER = "delta_v1"
@@ -51,21 +50,8 @@ def main() -> None:
         inner = make_codec(options["inner"]["id"], {"bits": options["inner"]["bits"]})
         codec = DeltaCodec(inner.get_config(), options["entropy"])
         encoded = codec.encode_delta(live, reference)
-        data = encode_file(
-            rows=np.arange(ROWS, dtype=np.int64),
-            encoded=encoded,
-            row_states={},
-            elem_states={},
-            metadata={"codec": codec.get_config()},
-            row_group_rows=8,
-        )
-        (out / f"{name}.parquet").write_bytes(data.to_pybytes())
-        np.save(out / f"{name}.npy", codec.decode(encoded, COLS).numpy())
-        index[name] = {
-            "codec": codec.get_config(),
-            "cols": COLS,
-            "widths": encoded.metadata["widths"],
-        }
+        index[name] = write_case(out, name, codec, encoded, COLS)
+        index[name]["widths"] = encoded.metadata["widths"]
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
+from generate import write_case  # the row codecs' generator, beside this one
 
 from embckpt.codecs import make_codec
-from embckpt.storage.shardfile import encode_file
 
 ROWS, COLS = 24, 16
 FOLDER = "log8_v1"
@@ -47,18 +46,7 @@ def main() -> None:
     index = {}
     for name, (options, signed) in CASES.items():
         codec = make_codec("log8", options)
-        encoded = codec.encode(sample_states(signed))
-        data = encode_file(
-            rows=np.arange(ROWS, dtype=np.int64),
-            encoded=encoded,
-            row_states={},
-            elem_states={},
-            metadata={"codec": codec.get_config()},
-            row_group_rows=8,
-        )
-        (out / f"{name}.parquet").write_bytes(data.to_pybytes())
-        np.save(out / f"{name}.npy", codec.decode(encoded, COLS).numpy())
-        index[name] = {"codec": codec.get_config(), "cols": COLS}
+        index[name] = write_case(out, name, codec, codec.encode(sample_states(signed)), COLS)
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
 
 
