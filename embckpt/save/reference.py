@@ -33,7 +33,6 @@ class _BasePiece:
     """One file's worth of a full checkpoint's rows of a block: sorted local rows, encoded."""
 
     rows: np.ndarray
-    cols: int
     codec: Codec
     encoded: EncodedRows
 
@@ -100,7 +99,7 @@ class ReconstructedRows:
             {name: pa.concat_arrays([c, c.slice(0, 0)]) for name, c in encoded.columns.items()},
             encoded.metadata,
         )
-        piece = _BasePiece(local_rows.cpu().numpy(), shape[1], codec, owned)
+        piece = _BasePiece(local_rows.cpu().numpy(), codec, owned)
         with self._lock:
             if step != self._base_step:
                 self._base.clear()
@@ -124,7 +123,10 @@ class ReconstructedRows:
         with self._lock:
             pieces = list(self._base.get(key, ()))
             overlay = self._overlay.get(key) if chain else None
-        out: torch.Tensor | None = None
+            shape = self._shapes.get(key)
+        if shape is None:
+            raise KeyError(f"block {key}: no full checkpoint to reconstruct it from")
+        out = torch.zeros((len(wanted), shape[1]), dtype=torch.float32)
         found = np.zeros(len(wanted), dtype=bool)
         for piece in pieces:
             at = np.clip(np.searchsorted(piece.rows, wanted), 0, max(len(piece.rows) - 1, 0))
@@ -136,12 +138,9 @@ class ReconstructedRows:
                 {name: column.take(take) for name, column in piece.encoded.columns.items()},
                 piece.encoded.metadata,
             )
-            decoded = piece.codec.decode(subset, piece.cols)
-            if out is None:
-                out = torch.zeros((len(wanted), decoded.shape[1]), dtype=torch.float32)
-            out[torch.from_numpy(hit)] = decoded.float()
+            out[torch.from_numpy(hit)] = piece.codec.decode(subset, shape[1]).float()
             found[hit] = True
-        if out is None or not found.all():
+        if not found.all():
             missing = wanted[~found][:5].tolist()
             raise KeyError(f"block {key}: rows {missing} have no reconstruction")
         if overlay is not None:
