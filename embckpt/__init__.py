@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 # name -> module that defines it
 _EXPORTS = {
     "Checkpointer": "embckpt.checkpointer",
-    "PendingCheckpoint": "embckpt.checkpointer",
+    "PendingCheckpoint": "embckpt.save.saver",
     "CheckpointConfig": "embckpt.config",
     "load_yaml": "embckpt.config",
     "ResumableSampler": "embckpt.data",
@@ -30,7 +30,10 @@ _EXPORTS = {
     "EmbckptError": "embckpt.errors",
     "ModelMismatchError": "embckpt.errors",
     "RankError": "embckpt.errors",
+    "RestoreError": "embckpt.errors",
+    "RestoreRankError": "embckpt.errors",
     "SaveError": "embckpt.errors",
+    "SaveRankError": "embckpt.errors",
     "UnknownCodecError": "embckpt.errors",
     "RestoreResult": "embckpt.read.restore",
     "merge": "embckpt.read.merge",
@@ -60,9 +63,12 @@ __all__ = [
     "ModelMismatchError",
     "PendingCheckpoint",
     "RankError",
+    "RestoreError",
+    "RestoreRankError",
     "RestoreResult",
     "ResumableSampler",
     "SaveError",
+    "SaveRankError",
     "UnknownCodecError",
     "VerifyReport",
     "WorkloadConfig",
@@ -89,7 +95,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from embckpt.checkpointer import Checkpointer, PendingCheckpoint
+    from embckpt.checkpointer import Checkpointer
     from embckpt.config import CheckpointConfig, load_yaml
     from embckpt.data import ResumableSampler
     from embckpt.errors import (
@@ -99,13 +105,17 @@ if TYPE_CHECKING:
         EmbckptError,
         ModelMismatchError,
         RankError,
+        RestoreError,
+        RestoreRankError,
         SaveError,
+        SaveRankError,
         UnknownCodecError,
     )
     from embckpt.examples.workload import DemoConfig, WorkloadConfig
     from embckpt.read.export import export_dcp, export_safetensors, reconstruct
     from embckpt.read.merge import merge
     from embckpt.read.restore import RestoreResult
+    from embckpt.save.saver import PendingCheckpoint
     from embckpt.storage.fs import CheckpointStore
     from embckpt.storage.manifest import Manifest
     from embckpt.storage.verify import VerifyReport, verify

@@ -58,20 +58,38 @@ class Collective:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
-    def check(self, error: BaseException | None, what: str) -> None:
+    def gather_checked(
+        self,
+        value: _T,
+        error: BaseException | None,
+        what: str,
+        peer_error: type[RankError] = RankError,
+    ) -> list[_T]:
+        """Every rank's ``value``, in one collective with the agreement of :meth:`check`:
+        raises on every rank if any rank passes an ``error``."""
+        try:
+            gathered = self.all_gather((value, None if error is None else _describe(error)))
+        except Exception as exc:  # the group itself failed: no rank can agree any more
+            raise peer_error(f"{what}: ranks could not agree: {exc}") from error or exc
+        failed = [(rank, msg) for rank, (_, msg) in enumerate(gathered) if msg is not None]
+        if failed:
+            if error is not None:
+                raise error
+            detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+            raise peer_error(f"{what} failed on {len(failed)} rank(s): {detail}")
+        return [v for v, _ in gathered]
+
+    def check(
+        self, error: BaseException | None, what: str, peer_error: type[RankError] = RankError
+    ) -> None:
         """Raises on every rank if any rank failed ``what``.
 
         The failing rank re-raises its own error (it names the file or table); the others raise
-        a :class:`RankError` quoting every failure.
+        ``peer_error`` (a :class:`RankError`; ``SaveRankError`` during a save) quoting every
+        failure. A collective that fails itself (a peer died, the group's timeout passed)
+        raises ``peer_error`` too, so a caller sees one kind of error whatever went wrong.
         """
-        reports = self.all_gather(None if error is None else _describe(error))
-        failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
-        if not failed:
-            return
-        if error is not None:
-            raise error
-        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
-        raise RankError(f"{what} failed on {len(failed)} rank(s): {detail}")
+        self.gather_checked(None, error, what, peer_error)
 
 
 def _describe(error: BaseException) -> str:

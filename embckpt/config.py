@@ -78,6 +78,12 @@ class CheckpointConfig:
         stall_bound: share of training time checkpointing may cost (adaptive interval).
         lock_lease_s: seconds the directory lock lasts unrenewed (renewed every third of it);
             a job gone this long without releasing it is taken over by the next one.
+        write_retries: times a file write failing with a transient error (an object store's
+            503 Slow Down, a dropped connection, EIO) is tried again before the save fails;
+            0 disables retries. 4 retries wait at most 1.5 s in all: enough for a throttling
+            burst, short enough not to hold a failing save.
+        retry_backoff_s: the wait before the first retry, doubled for each next one, with
+            full jitter (a uniformly random part of it) and at most 5 s per wait.
     """
 
     policy: str = "one_shot"
@@ -102,6 +108,8 @@ class CheckpointConfig:
     adaptive_interval: bool = True
     stall_bound: float = 0.02
     lock_lease_s: float = 60.0
+    write_retries: int = 4
+    retry_backoff_s: float = 0.1
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -109,8 +117,9 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
-        if self.full_every < 0:
-            raise ConfigError(f"full_every must be >= 0, got {self.full_every}")
+        for name in ("full_every", "write_retries", "retry_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline {self.pipeline!r} is not one of {PIPELINES}")
         if not 0 < self.stall_bound < 1:

@@ -14,7 +14,17 @@ class ConfigError(EmbckptError, ValueError):
     """A setting is unknown or out of range."""
 
 
-class CheckpointCorruptError(EmbckptError, RuntimeError):
+class SaveError(EmbckptError, RuntimeError):
+    """A save failed on some rank; every rank raises it, and nothing that a later save or
+    restore reads was changed (the previous committed checkpoint is untouched)."""
+
+
+class RestoreError(EmbckptError, RuntimeError):
+    """A restore failed on some rank; every rank raises it (the message names the rank, step
+    and file)."""
+
+
+class CheckpointCorruptError(RestoreError):
     """A checkpoint file is missing, truncated, altered or unreadable."""
 
     def __init__(self, path: str, reason: str) -> None:
@@ -27,7 +37,7 @@ class ChainIncompleteError(CheckpointCorruptError):
     """A differential checkpoint depends on a checkpoint that is not (or no longer) committed."""
 
 
-class ModelMismatchError(EmbckptError, ValueError):
+class ModelMismatchError(RestoreError, ValueError):
     """The model being restored does not match the checkpoint (tables, rows, dims, dtypes)."""
 
 
@@ -35,12 +45,16 @@ class UnknownCodecError(EmbckptError, ValueError):
     """A codec id or codec format version that this version of embckpt cannot read."""
 
 
-class SaveError(EmbckptError, RuntimeError):
-    """A save failed; the previous committed checkpoint is untouched."""
-
-
 class RankError(EmbckptError, RuntimeError):
     """Ranks failed a collective checkpoint operation; the message says which and why."""
+
+
+class SaveRankError(SaveError, RankError):
+    """Raised on the ranks whose own part of a save went well while another rank's failed."""
+
+
+class RestoreRankError(RestoreError, RankError):
+    """Raised on the ranks whose own part of a restore went well while another rank's failed."""
 
 
 class CodecError(EmbckptError, ValueError):

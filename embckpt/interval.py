@@ -28,6 +28,26 @@ class IntervalMeasurements:
     iterations: int
 
 
+@dataclass(frozen=True)
+class ClockWindow:
+    """The iterations an :class:`IterationClock` timed since its last collect."""
+
+    clean_sum: float
+    clean_n: int
+    busy: tuple[float, ...]
+    clean_ewma: float | None
+
+
+@dataclass(frozen=True)
+class IntervalState:
+    """What :meth:`AdaptiveInterval.update` changes, for :meth:`AdaptiveInterval.restore`."""
+
+    interval: int
+    cost_s: float | None
+    iteration_s: float | None
+    updates: int
+
+
 class IterationClock:
     """Times iterations between ``maybe_save`` calls on one rank."""
 
@@ -48,6 +68,18 @@ class IterationClock:
                 self._clean_sum += elapsed
                 self._clean_n += 1
         self._last = now
+
+    def window(self) -> ClockWindow:
+        """What the next :meth:`collect` consumes, for :meth:`give_back`."""
+        return ClockWindow(self._clean_sum, self._clean_n, tuple(self._busy), self._clean_ewma)
+
+    def give_back(self, window: ClockWindow) -> None:
+        """Puts back a window a failed checkpoint collected: its iterations count again at
+        the next checkpoint, with those timed since."""
+        self._clean_sum += window.clean_sum
+        self._clean_n += window.clean_n
+        self._busy = [*window.busy, *self._busy]
+        self._clean_ewma = window.clean_ewma
 
     def collect(self, blocked_s: float) -> IntervalMeasurements:
         """Measurements since the last collect; resets the window."""
@@ -101,3 +133,15 @@ class AdaptiveInterval:
             {"cost_s": cost, "iteration_s": m.clean_iter_s, "interval": float(self.interval)}
         )
         return self.interval
+
+    def state(self) -> IntervalState:
+        return IntervalState(self.interval, self.cost_s, self.iteration_s, len(self.history))
+
+    def restore(self, state: IntervalState) -> None:
+        """Undoes the updates made since ``state`` was taken (a checkpoint that failed)."""
+        self.interval, self.cost_s, self.iteration_s = (
+            state.interval,
+            state.cost_s,
+            state.iteration_s,
+        )
+        del self.history[state.updates :]

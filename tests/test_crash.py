@@ -12,6 +12,7 @@ import tempfile
 import pytest
 import toy_model as tm
 
+from embckpt import failpoints
 from embckpt.examples.launcher import RankFailed, run_ranks
 from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
 
@@ -33,15 +34,9 @@ def _arm(ckpt, point: str, nth: int) -> None:
         return count["n"] == nth
 
     store = ckpt.store
-    write_file, write_atomic, stage_piece = store.write_file, store.write_atomic, ckpt._stage_piece
+    write_file, write_atomic = store.write_file, store.write_atomic
     if point == "stage":
-
-        def staged(piece):
-            if hit():
-                _die()
-            return stage_piece(piece)
-
-        ckpt._stage_piece = staged
+        failpoints.arm("save.stage", nth=nth, action=_die)
     elif point == "between_files":
 
         def after_file(step, relative, data, *checksum):

@@ -41,10 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from embckpt import failpoints
 from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
     ModelMismatchError,
+    RestoreError,
+    RestoreRankError,
 )
 from embckpt.read.reader import (
     ReadCost,
@@ -136,7 +139,7 @@ def restore_checkpoint(
         CheckpointCorruptError: a file is missing, truncated or altered (named); nothing was
             loaded on any rank.
         ModelMismatchError: the model's tables differ from the checkpoint's.
-        RankError: another rank failed; its reason is quoted.
+        RestoreRankError: another rank failed; its reason is quoted.
     """
     started = time.perf_counter()
     comm, store = into.comm, into.store
@@ -166,21 +169,25 @@ def restore_checkpoint(
     cost = ReadCost()
     side: SideState | None = None
     clock = PhaseClock(RESTORE_PHASES)
+    what = f"restoring step {target}"
     try:
         with clock.time("plan"):
             chain = read_chain(store, target)
             check_model_matches(into, chain[-1], store.step_path(target))
+            failpoints.hit("restore.plan")
             reads = plan_reads(chain, into.sharded.shards)
         total = sum(r.planned_bytes for r in reads)
         show = comm.rank == 0 and (
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
         )
+        failpoints.hit("restore.fetch")
         staged, cost = stage(store, len(chain), reads, threads=threads, progress=show, clock=clock)
+        failpoints.hit("restore.side_state")
         side = read_side_state(into, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
-        error = exc
+        error = _as_restore_error(exc, target, comm.rank, "reading")
     try:
-        comm.check(error, f"restoring step {target}")
+        comm.check(error, what, RestoreRankError)
     except BaseException:
         release([file for files in staged for file in files])
         raise
@@ -188,9 +195,18 @@ def restore_checkpoint(
 
     assert side is not None  # read above, or every rank raised
     # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
-    # on failure; the rows, verified and matched already, are applied last.
+    # on failure; the rows, verified and matched already, are applied last. A failure while
+    # applying them (after every byte verified: a bug, or memory) leaves the model partly
+    # loaded, raises on every rank, and the Checkpointer's next save is a full.
     apply_side_state(into, side)
-    applied = apply_staged(staged, threads, clock)
+    applied = []
+    try:
+        failpoints.hit("restore.apply")
+        applied = apply_staged(staged, threads, clock)
+    except Exception as exc:
+        error = _as_restore_error(exc, target, comm.rank, "applying the rows")
+        release([file for files in staged for file in files])
+    comm.check(error, what, RestoreRankError)
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)
     result = RestoreResult(
@@ -212,6 +228,16 @@ def restore_checkpoint(
         cost.bytes_needed / 1e6,
     )
     return result
+
+
+def _as_restore_error(error: Exception, step: int, rank: int, what: str) -> Exception:
+    """``error`` as a :class:`RestoreError` naming the step and rank; embckpt's own errors
+    (they name the file or table) as they are."""
+    if isinstance(error, RestoreError):
+        return error
+    wrapped = RestoreError(f"step {step}: rank {rank}: {what} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _tty() -> bool:

@@ -20,7 +20,13 @@ import torch
 from torchrec.optim.keyed import KeyedOptimizer
 
 from embckpt import dense
-from embckpt.errors import CheckpointCorruptError, ConfigError, EmbckptError, ModelMismatchError
+from embckpt.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    EmbckptError,
+    ModelMismatchError,
+    RestoreRankError,
+)
 from embckpt.read.reader import ReadCost
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.fs import MANIFEST_NAME
@@ -179,7 +185,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
 
     Raises:
         ModelMismatchError: the live optimizer refused its state after creating it.
-        RankError: another rank failed; its reason is quoted. Whatever a stateful's or an
+        RestoreRankError: another rank failed; its reason is quoted. Whatever a stateful's or an
             optimizer's ``load_state_dict`` raised is re-raised on its own rank.
     """
     state = dict(side.dense)
@@ -196,7 +202,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
             _apply(into, side, state, pairs, prior.statefuls)
         except Exception as exc:  # gathered below, so that every rank rolls back
             error = exc
-        into.comm.check(error, "restoring the dense state, RNG and statefuls")
+        into.comm.check(error, "restoring the dense state, RNG and statefuls", RestoreRankError)
     except BaseException:
         _roll_back(into, prior)
         raise

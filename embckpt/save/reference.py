@@ -14,6 +14,12 @@ nothing is read back from storage:
 
 A full checkpoint resets both. After a restart or a restore there is no reference until the
 next full (the checkpointer takes one).
+
+Saves are transactions (:mod:`embckpt.save.transaction`): a diff's changes to the overlay are
+kept aside in a :class:`ReferenceEdit` and applied only once its checkpoint commits, so a
+failed diff leaves the reference as the last committed checkpoint left it. A full builds its
+base in place: keeping the previous base until the commit would double the reference's memory
+for every full, so a failed full clears the reference instead, and the next save is a full.
 """
 
 from __future__ import annotations
@@ -66,8 +72,6 @@ class ReconstructedRows:
         self._base: dict[str, list[_BasePiece]] = {}
         self._shapes: dict[str, tuple[int, int]] = {}
         self._overlay: dict[str, _Overlay] = {}
-        self._base_step: int | None = None
-        self._chain_step: int | None = None
         self._lock = threading.Lock()
 
     @property
@@ -78,13 +82,16 @@ class ReconstructedRows:
     def clear(self) -> None:
         with self._lock:
             self._base.clear()
+            self._shapes.clear()
             self._overlay.clear()
-            self._base_step = None
-            self._chain_step = None
+
+    def begin_full(self) -> None:
+        """A full checkpoint starts: the previous base is dropped now (see the module's
+        docstring for why a failed full then clears the reference rather than restoring it)."""
+        self.clear()
 
     def set_base(
         self,
-        step: int,
         key: str,
         shape: tuple[int, int],
         local_rows: torch.Tensor,
@@ -92,7 +99,7 @@ class ReconstructedRows:
         encoded: EncodedRows,
     ) -> None:
         """Rows ``local_rows`` (sorted) of block ``key`` (``shape``) are now what ``encoded``
-        decodes to: part of full checkpoint ``step``, whose first piece drops the previous base."""
+        decodes to: part of the full checkpoint being written."""
         # Columns may alias the staged rows (``raw`` wraps their bytes), which the next
         # checkpoint reuses: the reference keeps its own copy.
         owned = EncodedRows(
@@ -101,20 +108,8 @@ class ReconstructedRows:
         )
         piece = _BasePiece(local_rows.cpu().numpy(), codec, owned)
         with self._lock:
-            if step != self._base_step:
-                self._base.clear()
-                self._shapes.clear()
-                self._overlay.clear()
-                self._base_step = step
             self._base.setdefault(key, []).append(piece)
             self._shapes[key] = shape
-
-    def reset_chain(self, step: int) -> None:
-        """A one-shot diff ``step`` starts the chain again from the base (once per step)."""
-        with self._lock:
-            if step != self._chain_step:
-                self._overlay.clear()
-                self._chain_step = step
 
     def rows(self, key: str, local_rows: torch.Tensor, chain: bool = True) -> torch.Tensor:
         """The reconstruction of rows ``local_rows`` (sorted) of block ``key``, fp32 [n, cols]:
@@ -150,11 +145,33 @@ class ReconstructedRows:
                 out[torch.from_numpy(changed)] = overlay.values[torch.from_numpy(slots[changed])]
         return out
 
+    def apply(self, edit: ReferenceEdit) -> None:
+        """Applies a committed diff's edit: its rows now reconstruct as it wrote them."""
+        with self._lock:
+            if edit.restarts_chain:
+                self._overlay.clear()
+            for key, local_rows, values in edit.changes:
+                overlay = self._overlay.get(key)
+                if overlay is None:
+                    overlay = self._overlay[key] = _Overlay(*self._shapes[key])
+                overlay.put(local_rows, values)
+
+
+class ReferenceEdit:
+    """A diff's changes to the reference, kept aside until its checkpoint commits.
+
+    Args:
+        restarts_chain: a one-shot diff that incremental diffs may follow: the overlay
+            restarts from the base with what this diff reconstructs.
+    """
+
+    def __init__(self, restarts_chain: bool = False) -> None:
+        self.restarts_chain = restarts_chain
+        self.changes: list[tuple[str, np.ndarray, torch.Tensor]] = []
+        self._lock = threading.Lock()  # units of one save are encoded by several threads
+
     def replace(self, key: str, local_rows: torch.Tensor, current: torch.Tensor) -> None:
-        """Rows ``local_rows`` of block ``key`` now reconstruct as ``current``."""
-        current = current.float().cpu()
-        with self._lock:  # writers of several parts of one block may add at once
-            overlay = self._overlay.get(key)
-            if overlay is None:
-                overlay = self._overlay[key] = _Overlay(*self._shapes[key])
-            overlay.put(local_rows.cpu().numpy(), current)
+        """Rows ``local_rows`` of block ``key`` will reconstruct as ``current``."""
+        change = (key, local_rows.cpu().numpy(), current.float().cpu())
+        with self._lock:
+            self.changes.append(change)

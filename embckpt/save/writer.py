@@ -3,8 +3,9 @@
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
 writes one file per unit in parallel. Delta codecs (``delta``, ``exponent``) encode against the
 writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the
-whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and reset it,
-incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base.
+whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and rebuild it,
+incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base. A diff's
+changes to it go to the save's :class:`WriteEdits`, applied only once the checkpoint commits.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embckpt import failpoints
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
 from embckpt.policy import Decision, Kind
-from embckpt.save.reference import ReconstructedRows
+from embckpt.save.capture import CapturedRows, CaptureEdit
+from embckpt.save.reference import ReconstructedRows, ReferenceEdit
 from embckpt.save.snapshot import StagedUnit
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry
@@ -27,13 +30,29 @@ from embckpt.tracking import View
 
 
 @dataclass(frozen=True)
+class WriteEdits:
+    """Where one save's writes record their changes to state outside the files.
+
+    Attributes:
+        reference: a diff of a delta codec: what its rows now reconstruct as (None otherwise:
+            a full rebuilds the reference in place, see ``save/reference.py``).
+        capture: what each file restores to, when the writer's reconstruction is tracked.
+    """
+
+    reference: ReferenceEdit | None = None
+    capture: CaptureEdit | None = None
+
+
+@dataclass(frozen=True)
 class _Part:
-    """What one file of a unit holds: ``picked`` rows of the unit (None: all), encoded."""
+    """What one file of a unit holds: ``picked`` rows of the unit (None: all), encoded;
+    ``restored``: the fp32 rows a restore gives (known for delta codecs, None otherwise)."""
 
     codec: Codec
     encoded: EncodedRows
     picked: np.ndarray | None = None
     suffix: str = ""
+    restored: torch.Tensor | None = None
 
 
 class RowFileWriter:
@@ -47,8 +66,6 @@ class RowFileWriter:
         rank: this rank (recorded in each file's manifest entry).
         row_group_rows: Parquet row-group size.
         threads: files encoded and written at once.
-        track_chain: one-shot diffs may be followed by incremental ones (delta codecs then
-            keep what each one-shot diff reconstructs).
     """
 
     def __init__(
@@ -60,76 +77,88 @@ class RowFileWriter:
         rank: int,
         row_group_rows: int,
         threads: int,
-        track_chain: bool = False,
     ) -> None:
         self.store = store
         self.state_codec = state_codec
         self.base_codec = base_codec
         self.rank = rank
         self.row_group_rows = row_group_rows
-        self.track_chain = track_chain
         self.reference = ReconstructedRows()
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
 
     def write(
-        self, step: int, staged: list[StagedUnit], decision: Decision, codec: Codec
+        self,
+        step: int,
+        staged: list[StagedUnit],
+        decision: Decision,
+        codec: Codec,
+        edits: WriteEdits,
     ) -> list[FileEntry]:
         """Encodes with ``codec`` and writes every unit of ``staged`` as files of ``step``
         (one per unit; two for a ``delta`` diff with rows better written whole)."""
-        written = self._io.map(lambda unit: self._timed_write(step, unit, decision, codec), staged)
+        written = self._io.map(
+            lambda unit: self._timed_write(step, unit, decision, codec, edits), staged
+        )
         return [entry for entries in written for entry in entries]
 
     def _timed_write(
-        self, step: int, block: StagedUnit, decision: Decision, codec: Codec
+        self, step: int, block: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
     ) -> list[FileEntry]:
         # What _write spends outside its encode, write and fsync phases is checksumming (the
         # file's and its row groups' for the index): counted as "hash".
         with timed(self.store.clock, "hash"):
+            failpoints.hit("save.encode")
             with timed(self.store.clock, "encode"):
-                parts = self._encode(step, block, decision, codec)
-            return [self._write(step, block, part) for part in parts]
+                parts = self._encode(block, decision, codec, edits)
+            failpoints.hit("save.write")
+            return [self._write(step, block, part, edits.capture) for part in parts]
 
     def _encode(
-        self, step: int, block: StagedUnit, decision: Decision, codec: Codec
+        self, block: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
     ) -> list[_Part]:
-        """Encodes a unit's rows; delta codecs encode against, and update, the reconstruction."""
+        """Encodes a unit's rows; delta codecs encode against the reconstruction, and a diff
+        records in ``edits.reference`` what its rows reconstruct as."""
+        capture = edits.capture is not None
+        cols = block.unit.shard.num_cols
         if not codec.delta:
-            return [_Part(codec, codec.encode(block.weights))]
+            encoded = codec.encode(block.weights)
+            return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]
         shard = block.unit.shard
-        key, rows, cols = shard.key, block.local_rows, shard.num_cols
+        key, rows = shard.key, block.local_rows
         if decision.kind is Kind.FULL:
             base = codec.whole if isinstance(codec, DeltaCodec) else self.base_codec
             encoded = base.encode(block.weights)
-            self.reference.set_base(step, key, (shard.num_rows, cols), rows, base, encoded)
-            return [_Part(base, encoded)]
+            self.reference.set_base(key, (shard.num_rows, cols), rows, base, encoded)
+            return [_Part(base, encoded, restored=_decoded(base, encoded, cols, capture))]
         one_shot = decision.view is View.SINCE_FULL
-        if one_shot and self.track_chain:
-            self.reference.reset_chain(step)
         reference = self.reference.rows(key, rows, chain=not one_shot)
-        # The chain goes on from this diff: incremental diffs always, one-shot ones when
-        # incremental diffs may follow (the policy mixes them).
-        chained = not one_shot or self.track_chain
+        # The chain goes on from this diff (edits.reference is set): incremental diffs always,
+        # one-shot ones when incremental diffs may follow (the policy mixes them).
+        edit = edits.reference
         if not isinstance(codec, DeltaCodec):
             encoded = codec.encode(block.weights.float().cpu() - reference)
-            if chained:
-                self.reference.replace(key, rows, reference + codec.decode(encoded, cols))
-            return [_Part(codec, encoded)]
+            restored = reference + codec.decode(encoded, cols)
+            if edit is not None:
+                edit.replace(key, rows, restored)
+            return [_Part(codec, encoded, restored=restored)]
         split = codec.encode_split(block.weights, reference)
         parts = []
         if len(split.delta_rows):
-            parts.append(_Part(codec, split.delta, split.delta_rows))
-            if chained:
-                at = torch.from_numpy(split.delta_rows)
-                rebuilt = reference[at] + codec.decode(split.delta, cols)
-                self.reference.replace(key, rows[at], rebuilt)
+            at = torch.from_numpy(split.delta_rows)
+            rebuilt = reference[at] + codec.decode(split.delta, cols)
+            if edit is not None:
+                edit.replace(key, rows[at], rebuilt)
+            parts.append(_Part(codec, split.delta, split.delta_rows, restored=rebuilt))
         if split.whole is not None:
-            parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole"))
-            if chained:
-                at = torch.from_numpy(split.whole_rows)
-                self.reference.replace(key, rows[at], codec.whole.decode(split.whole, cols))
+            whole = codec.whole.decode(split.whole, cols)
+            if edit is not None:
+                edit.replace(key, rows[torch.from_numpy(split.whole_rows)], whole)
+            parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole", whole))
         return parts
 
-    def _write(self, step: int, block: StagedUnit, part: _Part) -> FileEntry:
+    def _write(
+        self, step: int, block: StagedUnit, part: _Part, capture: CaptureEdit | None
+    ) -> FileEntry:
         shard = block.unit.shard
         picked = None if part.picked is None else torch.from_numpy(part.picked)
         local_rows = block.local_rows if picked is None else block.local_rows[picked]
@@ -139,11 +168,13 @@ class RowFileWriter:
             elem_states = {n: t[picked.to(t.device)] for n, t in elem_states.items()}
         global_rows = (local_rows + shard.row_offset).numpy()
         with timed(self.store.clock, "encode"):
+            row_columns = row_state_columns(self.state_codec, row_states)
+            elem_columns = {n: self.state_codec.encode(t) for n, t in elem_states.items()}
             data = encode_file(
                 rows=global_rows,
                 encoded=part.encoded,
-                row_states=row_state_columns(self.state_codec, row_states),
-                elem_states={n: self.state_codec.encode(t) for n, t in elem_states.items()},
+                row_states=row_columns,
+                elem_states=elem_columns,
                 metadata={
                     "table": shard.table,
                     "row_offset": shard.row_offset,
@@ -154,6 +185,8 @@ class RowFileWriter:
                 },
                 row_group_rows=self.row_group_rows,
             )
+        if capture is not None:
+            capture.add(self._captured(block, part, local_rows, row_columns, elem_columns))
         block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}{part.suffix}"
         index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
         written = self.store.write_file(
@@ -175,5 +208,31 @@ class RowFileWriter:
             index=index,
         )
 
+    def _captured(
+        self,
+        block: StagedUnit,
+        part: _Part,
+        local_rows: torch.Tensor,
+        row_columns: dict[str, np.ndarray | EncodedRows],
+        elem_columns: dict[str, EncodedRows],
+    ) -> CapturedRows:
+        """What this file restores to, decoded as a reader decodes it (debug capture)."""
+        shard = block.unit.shard
+        assert part.restored is not None  # decoded for every part when capturing
+        values = {"weight": part.restored.float().cpu()}
+        for name, column in row_columns.items():
+            if isinstance(column, np.ndarray):
+                values[f"row:{name}"] = torch.from_numpy(column.copy()).float()
+            else:
+                values[f"row:{name}"] = self.state_codec.decode(column, 1).reshape(-1).float()
+        for name, encoded in elem_columns.items():
+            values[f"elem:{name}"] = self.state_codec.decode(encoded, shard.num_cols).float()
+        return CapturedRows(shard.key, shard.num_rows, local_rows.cpu(), values)
+
     def close(self) -> None:
         self._io.shutdown(wait=True)
+
+
+def _decoded(codec: Codec, encoded: EncodedRows, cols: int, wanted: bool) -> torch.Tensor | None:
+    """The rows ``encoded`` restores to, when the caller captures them."""
+    return codec.decode(encoded, cols).float() if wanted else None

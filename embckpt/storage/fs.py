@@ -3,13 +3,18 @@
 Layout: ``<root>/step_<step:012d>/`` holds one checkpoint; it is committed if and only if its
 ``MANIFEST.json`` exists. Files are written whole (temporary name, fsync, rename on local disks;
 a single PUT on object stores, where an object appears atomically), so a reader never sees half
-of a file under its final name.
+of a file under its final name; a write failing with a transient error is tried again whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import random
 import re
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,10 +30,34 @@ from embckpt.storage.phases import PhaseClock, timed
 
 MANIFEST_NAME = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
+log = logging.getLogger(__name__)
+
+# Failures a retry cannot fix: a missing parent, a refusal, a full or read-only disk, a bad name.
+_PERMANENT_TYPES = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
+_PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG})
+_MAX_BACKOFF_S = 5.0
+# A private generator: jitter must not draw from the global ``random`` stream, whose state a
+# checkpoint saves and a restore puts back.
+_JITTER = random.Random()
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:012d}"
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a failed write may succeed if tried again: any ``OSError`` (pyarrow reports an
+    object store's 503 Slow Down or a dropped connection as a plain one) except the kinds that
+    never will."""
+    if not isinstance(exc, OSError) or isinstance(exc, _PERMANENT_TYPES):
+        return False
+    return exc.errno not in _PERMANENT_ERRNOS
 
 
 def _unwrap(filesystem: pafs.FileSystem, path: str) -> tuple[pafs.FileSystem, str]:
@@ -61,14 +90,35 @@ class CheckpointStore:
             strategy or credentials, a ``SubTreeFileSystem``...) to use instead of resolving
             ``uri``. A ``SubTreeFileSystem`` is unwrapped to its base, so a local one keeps
             atomic renames; ``uri`` then only names the directory in messages.
+        write_retries: times a file write failing with a transient error (:func:`is_retryable`)
+            is tried again before the error is raised; 0 disables retries. The default, 4
+            retries with ``retry_backoff_s=0.1``, waits 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s at most
+            (0.75 s on average with full jitter): enough to ride out an object store's
+            throttling bursts (S3 asks clients to back off and retry on 503 Slow Down) without
+            holding a save that will fail anyway for long.
+        retry_backoff_s: the wait before the first retry; the n-th retry waits a uniformly
+            random time up to ``retry_backoff_s * 2**(n-1)`` (full jitter, so writers throttled
+            together do not retry together), never more than 5 s.
 
     Raises:
-        ValueError: ``filesystem`` is given with a URI instead of a path.
+        ValueError: ``filesystem`` is given with a URI instead of a path, or ``write_retries``
+            or ``retry_backoff_s`` is negative.
     """
 
     def __init__(
-        self, uri: str | Path, *, fsync: bool = True, filesystem: pafs.FileSystem | None = None
+        self,
+        uri: str | Path,
+        *,
+        fsync: bool = True,
+        filesystem: pafs.FileSystem | None = None,
+        write_retries: int = 4,
+        retry_backoff_s: float = 0.1,
     ) -> None:
+        if write_retries < 0 or retry_backoff_s < 0:
+            raise ValueError(
+                f"write_retries and retry_backoff_s must be >= 0, got {write_retries} and "
+                f"{retry_backoff_s}"
+            )
         uri = str(uri)
         if filesystem is not None:
             if "://" in uri:
@@ -84,6 +134,8 @@ class CheckpointStore:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).absolute())
         self.uri = uri
         self.fsync = fsync
+        self.write_retries = write_retries
+        self.retry_backoff_s = retry_backoff_s
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
         self.clock: PhaseClock | None = None  # set by a saving Checkpointer: write/fsync time
 
@@ -167,25 +219,57 @@ class CheckpointStore:
         return WrittenFile(path=relative, bytes=len(memoryview(data)), checksum=checksum)
 
     def write_atomic(self, path: str, data: pa.Buffer | bytes) -> None:
-        """Writes ``path`` so that it appears whole or not at all."""
+        """Writes ``path`` so that it appears whole or not at all, trying the whole write again
+        after a transient error (``write_retries``, ``retry_backoff_s``).
+
+        Raises:
+            OSError: the last attempt's error, unchanged; or the first one that a retry cannot
+                fix (:func:`is_retryable`).
+        """
+        write = self._write_local if self.is_local else self._write_object
+        for attempt in range(self.write_retries + 1):
+            try:
+                write(path, data)
+                return
+            except OSError as exc:
+                if attempt == self.write_retries or not is_retryable(exc):
+                    raise
+                wait = _JITTER.uniform(0, min(self.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S))
+                log.warning(
+                    "%s: write attempt %d of %d failed (%s); retrying in %.2f s",
+                    path,
+                    attempt + 1,
+                    self.write_retries + 1,
+                    exc,
+                    wait,
+                )
+                time.sleep(wait)
+
+    def _write_object(self, path: str, data: pa.Buffer | bytes) -> None:
+        # Object stores publish an object only when its upload completes: no rename needed.
+        with timed(self.clock, "write"):
+            self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+            with self.fs.open_output_stream(path) as out:
+                out.write(data)
+
+    def _write_local(self, path: str, data: pa.Buffer | bytes) -> None:
+        """Temporary file, fsync, rename; a failed attempt's temporary file is removed."""
         parent = path.rsplit("/", 1)[0]
-        if not self.is_local:
-            # Object stores publish an object only when its upload completes: no rename needed.
-            with timed(self.clock, "write"):
-                self.fs.create_dir(parent, recursive=True)
-                with self.fs.open_output_stream(path) as out:
-                    out.write(data)
-            return
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as out:
-            with timed(self.clock, "write"):
-                out.write(memoryview(data))
-            if self.fsync:
-                with timed(self.clock, "fsync"):
-                    out.flush()
-                    os.fsync(out.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as out:
+                with timed(self.clock, "write"):
+                    out.write(memoryview(data))
+                if self.fsync:
+                    with timed(self.clock, "fsync"):
+                        out.flush()
+                        os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         if self.fsync:
             with timed(self.clock, "fsync"):
                 dir_fd = os.open(parent, os.O_RDONLY)

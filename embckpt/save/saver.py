@@ -1,0 +1,675 @@
+"""The save side of a ``Checkpointer``: decide, snapshot, persist and commit, as one transaction.
+
+Pipeline of one ``save(step)`` (every rank calls it together):
+
+1. resolve  - the previous checkpoint's persist must be done (one in flight); its outcome is
+              applied (:mod:`embckpt.save.transaction`) and its failure, if nobody saw it yet,
+              raised here;
+2. decide   - fold the row trackers, combine dirty fractions and interval measurements over
+              ranks (with any rank's error), ask the policy (identical inputs everywhere, so an
+              identical decision);
+3. snapshot - take the tracker views the decision consumes, copy the dense state, and copy the
+              rows to write (all, or the dirty rows) with their optimizer state into the staging
+              arena. A checkpoint larger than the staging budget is staged and written piece by
+              piece; only the last piece leaves the training thread. With ``pipeline="full"``
+              the last piece's copy also runs in the background, and the next weight update
+              (the fused backward, the dense optimizer step) waits for it. An error here is
+              kept for the persist, which reports it on every rank;
+4. persist  - in the background: encode and write Parquet files and the dense files, agree
+              across ranks, rank 0 writes the manifest last, which commits the checkpoint;
+              ranks agree again, then rank 0 applies retention;
+5. resolve  - the training thread applies the outcome at its next save, restore, ``wait()`` or
+              ``close()``: committed, the staged changes take effect; failed, they are rolled
+              back on every rank and rank 0 has deleted the step's files.
+
+``save`` returns after step 3.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from embckpt import dense, failpoints
+from embckpt.codecs import Codec
+from embckpt.collective import Collective
+from embckpt.config import CheckpointConfig, codec_for
+from embckpt.errors import SaveError, SaveRankError
+from embckpt.interval import IntervalMeasurements
+from embckpt.policy import Decision, Kind, Policy, PolicyInput, bits_for_restores
+from embckpt.read.restore import RestoreResult
+from embckpt.save.guards import UpdateGuard
+from embckpt.save.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
+from embckpt.save.staging import StagingArena
+from embckpt.save.transaction import SaveState, SaveTransaction
+from embckpt.save.writer import RowFileWriter
+from embckpt.sharding import ShardedModel
+from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
+from embckpt.storage.lock import DirectoryLock
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
+from embckpt.storage.phases import PhaseClock
+from embckpt.storage.retention import apply_retention
+from embckpt.tracking import View
+
+log = logging.getLogger(__name__)
+
+DENSE_FILE = "dense/model.safetensors"
+
+
+def rank_file(rank: int) -> str:
+    return f"dense/rank_{rank:05d}.safetensors"
+
+
+class PendingCheckpoint:
+    """A save in progress. ``wait()`` returns its manifest (None if the policy skipped) or raises
+    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread.
+
+    Call ``wait()`` from the training thread: it also applies the save's outcome."""
+
+    def __init__(
+        self,
+        step: int,
+        future: concurrent.futures.Future[Manifest | None],
+        transaction: SaveTransaction | None = None,
+    ) -> None:
+        self.step = step
+        self.blocked_s = 0.0
+        self._future = future
+        self._transaction = transaction
+        self._settled = False
+        self._lock = threading.Lock()
+        self.observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def settle(self) -> None:
+        """Waits for the outcome and applies it (once): commit or roll back."""
+        error = self._future.exception()
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            if self._transaction is None:
+                return
+            if error is None:
+                manifest = self._future.result()
+                assert manifest is not None
+                self._transaction.commit(manifest)
+            else:
+                self._transaction.roll_back()
+
+    def wait(self) -> Manifest | None:
+        self.settle()
+        self.observed = True
+        return self._future.result()
+
+
+@dataclass
+class _Snapshot:
+    """Everything one checkpoint writes, staged; ``pending`` is the part the persist stages."""
+
+    step: int
+    decision: Decision
+    dirty_fraction: float
+    touched_fraction: float  # of all rows, touched since the previous checkpoint
+    started: float
+    clock: PhaseClock
+    transaction: SaveTransaction
+    dense: dict[str, Any] | None = None
+    rank: dict[str, Any] = field(default_factory=dict)
+    pending: list[Unit] = field(default_factory=list)
+    staged: list[StagedUnit] = field(default_factory=list)
+    entries: list[FileEntry] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What the saver works on, built by the ``Checkpointer``."""
+
+    model: nn.Module
+    optimizer: Any | None
+    statefuls: Mapping[str, dense.Stateful]
+    config: CheckpointConfig
+    comm: Collective
+    store: CheckpointStore
+    lock: DirectoryLock
+    sharded: ShardedModel
+    policy: Policy
+    tables: tuple[TableEntry, ...]
+    full_fp32_bytes: int
+
+
+class Saver:
+    """Takes checkpoints of one model: owns the :class:`SaveState` every save changes, the
+    writer, the staging arena and the persist thread.
+
+    Args:
+        context: the model, its directory and settings.
+        state: the tracker, reference, interval and chain head (see ``save/transaction.py``).
+        writer: the rows-file writer (its reference is ``state.reference``).
+    """
+
+    def __init__(self, context: SaveContext, state: SaveState, writer: RowFileWriter) -> None:
+        self.ctx = context
+        self.state = state
+        self.writer = writer
+        self.restores = 0  # restores this job went through, carried from manifest to manifest
+        self.codec: Codec = codec_for(context.config)
+        self.follow_expected_restores()  # a codec without bits fails here, not at a save
+        shards = context.sharded.shards
+        device = shards[0].weight.device if shards else torch.device("cpu")
+        self._arena = StagingArena(context.config.staging_budget_bytes, device)
+        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._persister = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
+        self._inflight: PendingCheckpoint | None = None
+        self._guard = (
+            UpdateGuard(context.model, context.optimizer)
+            if context.config.pipeline == "full"
+            else None
+        )
+        self._blocked_since_tick = 0.0
+
+    # -- when to save -------------------------------------------------------------------------
+    def maybe_save(self, step: int) -> PendingCheckpoint | None:
+        """See ``Checkpointer.maybe_save``."""
+        inflight = self._inflight
+        busy = inflight is not None and not inflight.done()
+        if inflight is not None and not busy:
+            inflight.settle()  # a failed save puts the next step back: it is tried again now
+        state = self.state
+        state.clock.tick(time.perf_counter(), busy, self._blocked_since_tick)
+        self._blocked_since_tick = 0.0
+        if state.next_step is None:
+            state.next_step = step + state.interval.interval - 1
+        if step < state.next_step:
+            return None
+        return self.save(step)
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, step: int) -> PendingCheckpoint:
+        """See ``Checkpointer.save``."""
+        started = time.perf_counter()
+        self.finish_inflight()
+        self.follow_expected_restores()
+        transaction = SaveTransaction(step, self.state)
+        try:
+            decision, dirty = self._decide(step, transaction)
+        except BaseException:
+            transaction.roll_back()
+            raise
+        future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+        if decision.kind is Kind.SKIP:
+            future.set_result(None)
+            return PendingCheckpoint(step, future)
+        handle = PendingCheckpoint(step, future, transaction)
+        clock = PhaseClock()
+        self.ctx.store.clock = clock  # the store's writes report their write and fsync time
+        snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
+        mode = self.ctx.config.pipeline
+        if mode == "off":
+            _run_into(future, self._persist, snapshot)
+        else:
+            if mode == "persist" and snapshot.pending and snapshot.error is None:
+                try:
+                    with clock.time("snapshot"):
+                        snapshot.staged = self._stage_piece(snapshot.pending)
+                except Exception as exc:  # reported on every rank by the persist
+                    snapshot.error = exc
+                snapshot.pending = []
+            elif snapshot.pending and self._guard is not None:
+                self._guard.hold()  # weight updates wait until the background copy is done
+            self._persister.submit(_run_into, future, self._persist, snapshot)
+        handle.blocked_s = time.perf_counter() - started
+        self._blocked_since_tick += handle.blocked_s
+        self.state.last_blocked_s = handle.blocked_s
+        self._inflight = handle
+        if mode == "off":
+            self.finish_inflight()
+        return handle
+
+    def follow_expected_restores(self) -> None:
+        """Widens the codes once more restores happened than the job expected (a new codec only
+        when the width changes, so codecs keep their caches)."""
+        config = self.ctx.config
+        if config.expected_restores is None:
+            return
+        bits = bits_for_restores(config.expected_restores, self.restores)
+        if getattr(self.codec, "bits", None) != bits:
+            self.codec = codec_for(dataclasses.replace(config, bits=bits))
+
+    def finish_inflight(self) -> None:
+        """Waits for the checkpoint in flight, applies its outcome, and raises its failure if
+        nobody has seen it."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        inflight.settle()
+        if inflight.observed:
+            return
+        inflight.observed = True
+        inflight._future.result()
+
+    def _decide(
+        self, step: int, transaction: SaveTransaction
+    ) -> tuple[Decision, dict[View, float]]:
+        ctx, state = self.ctx, self.state
+        comm = ctx.comm
+        problem = comm.broadcast(self._prepare_step_folder(step) if comm.rank == 0 else None)
+        if problem is not None:
+            raise SaveError(problem)
+        state.tracker.fold()  # collective for replicated tables: before anything may raise
+        local = [0.0, 0.0, 0.0]
+        measured = state.clock.collect(state.last_blocked_s)
+        error: BaseException | None = None
+        try:
+            failpoints.hit("save.decide")
+            self.mark_moving_rows()
+            for shard in ctx.sharded.writer_shards():
+                local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
+                local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
+                local[2] += shard.num_rows * shard.num_cols
+        except Exception as exc:  # raised on every rank by the agreement below
+            error = _as_save_error(exc, step, comm.rank, "deciding")
+        times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
+        gathered = comm.gather_checked(
+            (local, times), error, f"deciding step {step}", SaveRankError
+        )
+        since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
+        clean, extra, blocked = (max(g[1][i] for g in gathered) for i in range(3))
+        if ctx.config.adaptive_interval and measured.iterations:
+            state.interval.update(IntervalMeasurements(clean, extra, blocked, measured.iterations))
+        state.next_step = step + state.interval.interval
+        dirty = {
+            View.SINCE_LAST: since_last / max(total, 1.0),
+            View.SINCE_FULL: since_full / max(total, 1.0),
+        }
+        head = state.head
+        decision = ctx.policy.decide(
+            PolicyInput(
+                step,
+                dirty[View.SINCE_LAST],
+                dirty[View.SINCE_FULL],
+                head.history if head is not None else (),
+                None if head is None else _chain_bytes(head),
+            )
+        )
+        if self.codec.delta and decision.kind is Kind.DIFF and not state.reference.ready:
+            # Deltas need the reconstruction of their base, which only a full written by this
+            # process provides (not kept across a restart, a restore or a failed full).
+            decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
+        if decision.kind is not Kind.SKIP:
+            transaction.decided(decision, self.codec.delta, ctx.policy.mixes_diffs)
+        return decision, dirty
+
+    def mark_moving_rows(self) -> None:
+        """Marks the rows of data-parallel tables that their dense optimizer moves without a
+        lookup (non-zero momentum, or every row under weight decay): the lookups alone do not
+        say which changed."""
+        ctx, tracker = self.ctx, self.state.tracker
+        moving = dense.moving_rows(dense.optimizer_parts(ctx.optimizer, ctx.model))
+        for shard in ctx.sharded.writer_shards():
+            if shard.sharding_type != "data_parallel" or shard.weight.data_ptr() not in moving:
+                continue
+            rows = moving[shard.weight.data_ptr()]
+            if rows is None:
+                marked = torch.arange(shard.num_rows, device=shard.weight.device)
+            else:
+                marked = torch.nonzero(rows).flatten()
+            for view in View:
+                tracker.mark(shard.key, marked, view)
+
+    def _prepare_step_folder(self, step: int) -> str | None:
+        """Rank 0, before any rank writes: refuses a committed step and a step older than a
+        committed one (the newer chain would stay "latest" and a later restore would silently
+        skip this one), clears an interrupted one."""
+        store = self.ctx.store
+        try:
+            if store.is_committed(step):
+                return (
+                    f"step {step}: {store.step_path(step, MANIFEST_NAME)} already exists; "
+                    "a committed checkpoint is never overwritten (to resume from an older step "
+                    "and drop the newer checkpoints, restore it with discard_newer=True)"
+                )
+            newer = [s for s in store.committed_steps() if s > step]
+            if newer:
+                return (
+                    f"step {step}: {store.uri} already holds newer checkpoints (steps "
+                    f"{', '.join(map(str, newer))}), which a restore would take over this one; "
+                    "to resume from an older step and drop them, restore it with "
+                    "discard_newer=True"
+                )
+            if step in store.leftover_steps():
+                store.remove_step(step)  # debris of an interrupted save of this step
+        except OSError as exc:
+            return f"step {step}: cannot prepare {store.step_path(step)}: {exc}"
+        return None
+
+    @torch.no_grad()
+    def _snapshot(
+        self,
+        step: int,
+        decision: Decision,
+        dirty: dict[View, float],
+        started: float,
+        clock: PhaseClock,
+        transaction: SaveTransaction,
+    ) -> _Snapshot:
+        """Stages what the checkpoint writes. Nothing here raises: an error is kept in the
+        snapshot and reported on every rank by the persist (a rank that raised here alone would
+        leave the others waiting in a collective)."""
+        fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
+        snapshot = _Snapshot(
+            step=step,
+            decision=decision,
+            dirty_fraction=fraction,
+            touched_fraction=dirty[View.SINCE_LAST],
+            started=started,
+            clock=clock,
+            transaction=transaction,
+        )
+        try:
+            pieces = self._stage_state(snapshot)
+        except Exception as exc:
+            snapshot.error = exc
+            return snapshot
+        # Pieces beyond the budget are staged and written now, on the training thread: the state
+        # must stay as of this step until every piece is copied.
+        for piece in pieces[:-1]:
+            try:
+                with clock.time("snapshot"):
+                    staged = self._stage_piece(piece)
+                snapshot.entries.extend(
+                    self.writer.write(step, staged, decision, self.codec, transaction.edits)
+                )
+            except Exception as exc:
+                snapshot.error = exc
+                return snapshot
+        snapshot.pending = pieces[-1]
+        return snapshot
+
+    def _stage_state(self, snapshot: _Snapshot) -> list[list[Unit]]:
+        """Takes the tracker views, copies the dense and rank state, and plans the pieces."""
+        ctx, tracker = self.ctx, self.state.tracker
+        decision = snapshot.decision
+        selected = []
+        for shard in ctx.sharded.writer_shards():
+            if decision.kind is Kind.FULL:
+                rows = torch.arange(shard.num_rows, device=shard.weight.device)
+                selected.append((shard, rows, True))
+            else:
+                rows = tracker.dirty(shard.key, decision.view or View.SINCE_LAST)
+                selected.append((shard, rows, False))
+        snapshot.transaction.take_bits()
+        with snapshot.clock.time("snapshot"):
+            if ctx.comm.rank == 0:
+                snapshot.dense = dense.detached_copy(
+                    dense.dense_state(
+                        ctx.model,
+                        ctx.optimizer,
+                        ctx.sharded.table_keys,
+                        ctx.sharded.scalar_states,
+                    )
+                )
+            snapshot.rank = dense.detached_copy(dense.rank_state(ctx.statefuls))
+        failpoints.hit("save.plan")
+        budget = ctx.config.staging_budget_bytes
+        units = plan_units(selected, ctx.config.max_file_rows, budget)
+        return plan_pieces(units, budget)
+
+    def _stage_piece(self, piece: list[Unit]) -> list[StagedUnit]:
+        failpoints.hit("save.stage")
+        staged = stage(piece, self._arena, self._side_stream)
+        if self._side_stream is not None:
+            self._side_stream.synchronize()
+        return staged
+
+    def _persist(self, snapshot: _Snapshot) -> Manifest:
+        """Writes, agrees, commits (persist thread). Changes no saver state: the outcome is
+        applied by :meth:`PendingCheckpoint.settle` on the training thread."""
+        ctx = self.ctx
+        comm, step = ctx.comm, snapshot.step
+        started = time.perf_counter()
+        try:
+            error = snapshot.error
+            if error is None and snapshot.pending:
+                try:
+                    with snapshot.clock.time("snapshot"):
+                        snapshot.staged = self._stage_piece(snapshot.pending)
+                except Exception as exc:
+                    error = exc
+            self._release_guard()
+            if error is None:
+                error = self._write_rest(snapshot)
+            agreeing = time.perf_counter()
+            comm.check(_as_save_error(error, step, comm.rank), f"saving step {step}", SaveRankError)
+            phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
+            phases["commit"] += time.perf_counter() - agreeing
+            gathered = comm.all_gather((snapshot.entries, phases))
+            entries = [e for rank_entries, _ in gathered for e in rank_entries]
+            manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
+            error = None
+            if comm.rank == 0:
+                try:
+                    failpoints.hit("save.manifest")
+                    ctx.lock.check_held()  # a job that lost the directory never commits
+                    ctx.store.write_atomic(
+                        ctx.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
+                    )
+                except Exception as exc:
+                    error = exc
+            comm.check(
+                _as_save_error(error, step, comm.rank, "writing the manifest"),
+                f"committing step {step}",
+                SaveRankError,
+            )
+        except BaseException:
+            self._release_guard()
+            self._discard_step(step)
+            raise
+        if comm.rank == 0:
+            self._apply_retention(step)
+        self._await_retention(step)
+        return manifest.with_stats(persist_seconds=time.perf_counter() - started)
+
+    def _discard_step(self, step: int) -> None:
+        """Rank 0, after a failed save: deletes its files, manifest first if one was written
+        (then every rank agreed it failed, so it is not a checkpoint). Best effort, and only
+        while this job holds the directory: a folder left behind is a leftover, never read."""
+        if self.ctx.comm.rank != 0:
+            return
+        try:
+            self.ctx.lock.check_held()
+            self.ctx.store.remove_step(step)
+        except Exception as exc:  # the save's own error is the one raised
+            log.warning("could not delete the files of failed step %d: %s", step, exc)
+
+    def _apply_retention(self, step: int) -> None:
+        """Rank 0, after the commit: drop what is not kept. Its failure never fails the save
+        (the checkpoint is committed): it is logged and retried after the next one."""
+        if not self.ctx.config.keep_last:
+            return
+        try:
+            failpoints.hit("save.retention")
+            apply_retention(self.ctx.store, self.ctx.config.keep_last)
+        except Exception as exc:
+            log.warning("retention after step %d failed: %s", step, exc)
+
+    def _await_retention(self, step: int) -> None:
+        """Every rank returns once rank 0's retention is done, so a rank that lists the
+        directory after ``wait()`` sees what is kept. The save is committed whatever happens
+        here: a failed agreement is logged, and the next save's collectives report it."""
+        try:
+            self.ctx.comm.all_gather(None)
+        except Exception as exc:
+            log.warning("step %d is committed, but the ranks did not meet after it: %s", step, exc)
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release()
+
+    def _write_rest(self, snapshot: _Snapshot) -> BaseException | None:
+        """Writes the last piece's rows and the dense files; returns the error, if any."""
+        step, clock = snapshot.step, snapshot.clock
+        store, rank = self.ctx.store, self.ctx.comm.rank
+        try:
+            snapshot.entries.extend(
+                self.writer.write(
+                    step,
+                    snapshot.staged,
+                    snapshot.decision,
+                    self.codec,
+                    snapshot.transaction.edits,
+                )
+            )
+            failpoints.hit("save.dense")
+            # write_file's own time, less its write and fsync, is the file's checksum.
+            if snapshot.dense is not None:
+                with clock.time("encode"):
+                    data = dense.encode_tree(snapshot.dense)
+                with clock.time("hash"):
+                    written = store.write_file(step, DENSE_FILE, data)
+                snapshot.entries.append(_entry(written, "dense", rank))
+            with clock.time("encode"):
+                data = dense.encode_tree(snapshot.rank)
+            with clock.time("hash"):
+                written = store.write_file(step, rank_file(rank), data)
+            snapshot.entries.append(_entry(written, "rank", rank))
+            failpoints.hit("save.agree")
+        except Exception as exc:
+            return exc
+        return None
+
+    def _manifest(
+        self, snapshot: _Snapshot, files: list[FileEntry], phases: list[dict[str, float]]
+    ) -> Manifest:
+        ctx = self.ctx
+        full = snapshot.decision.kind is Kind.FULL
+        slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
+        head = self.state.head
+        total = sum(f.bytes for f in files)
+        entry = HistoryEntry(
+            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
+        )
+        history = (entry,) if full or head is None else (*head.history, entry)
+        return Manifest(
+            step=snapshot.step,
+            kind=snapshot.decision.kind.value,
+            policy=ctx.policy.name,
+            base_step=snapshot.step if full or head is None else head.base_step,
+            parent_step=None if full or head is None else _parent(head, snapshot.decision),
+            world_size=ctx.comm.world_size,
+            codec=self.codec.get_config(),
+            tables=ctx.tables,
+            files=tuple(sorted(files, key=lambda f: f.path)),
+            history=history,
+            stats={
+                "rows_written": sum(f.rows for f in files if f.role == "rows"),
+                "dirty_fraction": snapshot.dirty_fraction,
+                "touched_fraction": snapshot.touched_fraction,
+                "full_fp32_bytes": ctx.full_fp32_bytes,
+                "save_seconds": time.perf_counter() - snapshot.started,
+                "phase_seconds": phases[slowest],
+                "phase_rank": slowest,
+                "reason": snapshot.decision.reason,
+                "chain_bytes": total
+                + (0 if full or head is None else _chain_bytes(head, snapshot.decision.view)),
+                "restores": self.restores,
+                "created_unix": time.time(),
+            },
+        )
+
+    # -- after a restore ---------------------------------------------------------------------
+    def restored(self, result: RestoreResult | None) -> None:
+        """The model now holds ``result``'s step (None: the directory was empty): the next
+        checkpoint continues that chain, and the restored rows its diffs changed count as
+        changed since the full. The reference is gone until the next full."""
+        state = self.state
+        state.reference.clear()
+        state.next_step = None
+        if result is None:
+            state.head = None
+            if state.reconstruction is not None:
+                state.reconstruction.forget()
+            return
+        state.tracker.reset()
+        for key, local_rows in result.diff_rows:
+            state.tracker.mark(key, local_rows, View.SINCE_FULL)
+        state.head = result.manifest
+        self.restores = int(result.manifest.stats.get("restores", 0)) + 1
+        if state.reconstruction is not None:
+            state.reconstruction.reset_from_live(self.ctx.sharded.writer_shards())
+
+    def restore_failed(self) -> None:
+        """A restore raised: the model may be partly loaded, so no chain describes it any more;
+        the next save is a full."""
+        state = self.state
+        state.reference.clear()
+        state.head = None
+        state.next_step = None
+        if state.reconstruction is not None:
+            state.reconstruction.forget()
+
+    def close(self) -> None:
+        """Finishes the checkpoint in flight (raising its failure if unseen)."""
+        try:
+            self.finish_inflight()
+        finally:
+            self._persister.shutdown(wait=True)
+            self.writer.close()
+            if self._guard is not None:
+                self._guard.close()
+
+
+def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args: Any) -> None:
+    """Runs ``fn`` and settles ``future`` with its result or its exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # delivered through the future, raised on wait()/next save()
+        future.set_exception(exc)
+
+
+def _as_save_error(
+    error: BaseException | None, step: int, rank: int, what: str = "writing"
+) -> BaseException | None:
+    """``error`` as a :class:`SaveError` naming the step and rank (its message names the
+    file where the failure had one)."""
+    if error is None or isinstance(error, SaveError):
+        return error
+    wrapped = SaveError(f"step {step}: rank {rank}: {what} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
+    """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
+    up to ``head`` (incremental), or its full alone (one-shot). Manifests without the figure
+    count as one-shot chains (their full and themselves)."""
+    full = head.history[0].bytes
+    if view is View.SINCE_FULL:
+        return full
+    known = head.stats.get("chain_bytes")
+    if isinstance(known, int):
+        return known
+    return full if head.kind == "full" else full + head.history[-1].bytes
+
+
+def _parent(head: Manifest, decision: Decision) -> int:
+    """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
+    return head.base_step if decision.view == View.SINCE_FULL else head.step
+
+
+def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
+    return FileEntry(
+        path=written.path, bytes=written.bytes, checksum=written.checksum, role=role, rank=rank
+    )
