@@ -42,8 +42,10 @@ def build(
     kinds: tuple[str, ...] = KINDS,
     rows: int = ROWS,
     optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    sharding: dict[str, str] | None = None,
 ):
-    """A DMP model and its dense optimizer; ``seed`` sets every initial value."""
+    """A DMP model and its dense optimizer; ``seed`` sets every initial value. ``sharding``
+    shards table ``t_<kind>`` as another kind instead (``{"tw": "rw"}``: a resharded job)."""
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(
@@ -70,14 +72,15 @@ def build(
     }
     module_plan = construct_module_sharding_plan(
         model.sparse_arch.embedding_bag_collection,
-        {f"t_{k}": generators[k] for k in kinds},
+        {f"t_{k}": generators[(sharding or {}).get(k, k)] for k in kinds},
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
         device_type="cpu",
     )
-    if "t_twrw" in module_plan:
-        module_plan["t_twrw"].compute_kernel = "fused"
+    for k in kinds:
+        if (sharding or {}).get(k, k) == "twrw":
+            module_plan[f"t_{k}"].compute_kernel = "fused"
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan})
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))

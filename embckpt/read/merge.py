@@ -44,6 +44,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from embckpt import failpoints
 from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
 from embckpt.dtypes import dtype_from_name
@@ -124,11 +125,16 @@ def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Man
             rows of a delta codec have no earlier full version to add to, or element-wise
             optimizer states were written with a delta codec.
         CheckpointCorruptError / ChainIncompleteError: a file or link of the chain is bad.
+        EmbckptError: anything else failed (a write, say); the step is as it was.
     """
     lock = DirectoryLock(store.fs, store.root, store.is_local)
     lock.acquire()
     try:
         return _merge_locked(store, step, row_group_rows)
+    except EmbckptError:
+        raise
+    except Exception as exc:  # storage or a bug: the committed step is unchanged either way
+        raise EmbckptError(f"merging step {step} of {store.uri} failed: {exc}") from exc
     finally:
         lock.release()
 
@@ -167,6 +173,7 @@ def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Man
             "rows_written": sum(f.rows for f in files if f.role == "rows"),
         },
     )
+    failpoints.hit("merge.write")
     store.write_atomic(store.step_path(step, MANIFEST_NAME), merged.to_json().encode())
     _delete_unlisted(store, merged)
     return merged
