@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 # name -> module that defines it
 _EXPORTS = {
     "Checkpointer": "embckpt.checkpointer",
-    "PendingCheckpoint": "embckpt.save.saver",
+    "PendingCheckpoint": "embckpt.save.pending",
     "CheckpointConfig": "embckpt.config",
     "load_yaml": "embckpt.config",
     "ResumableSampler": "embckpt.data",
@@ -115,7 +115,7 @@ if TYPE_CHECKING:
     from embckpt.read.export import export_dcp, export_safetensors, reconstruct
     from embckpt.read.merge import merge
     from embckpt.read.restore import RestoreResult
-    from embckpt.save.saver import PendingCheckpoint
+    from embckpt.save.pending import PendingCheckpoint
     from embckpt.storage.fs import CheckpointStore
     from embckpt.storage.manifest import Manifest
     from embckpt.storage.verify import VerifyReport, verify

@@ -27,7 +27,9 @@ from embckpt.read.reader import default_threads
 from embckpt.read.restore import RestoreResult, restore_checkpoint
 from embckpt.read.target import RestoreTarget
 from embckpt.save.capture import WriterReconstruction
-from embckpt.save.saver import PendingCheckpoint, SaveContext, Saver
+from embckpt.save.context import SaveContext
+from embckpt.save.pending import PendingCheckpoint
+from embckpt.save.saver import Saver
 from embckpt.save.tables import table_entries
 from embckpt.save.transaction import SaveState
 from embckpt.save.writer import RowFileWriter

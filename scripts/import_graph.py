@@ -145,8 +145,8 @@ def violations(imports: list[Import]) -> list[str]:
         rule = None
         if tgt == "cli" and src != "cli":
             rule = "nothing imports cli"
-        elif _within(src, "errors", "dtypes", "units") and tgt not in ("errors",):
-            rule = "errors, dtypes and units import nothing of embckpt but errors"
+        elif _within(src, "errors", "dtypes", "units", "failpoints") and tgt not in ("errors",):
+            rule = "errors, dtypes, units and failpoints import nothing of embckpt but errors"
         elif _within(src, "codecs") and not _within(tgt, "codecs", "errors", "dtypes"):
             rule = "codecs import only codecs, errors and dtypes"
         elif _within(src, "storage") and not (

@@ -144,20 +144,27 @@ def restore_checkpoint(
     started = time.perf_counter()
     comm, store = into.comm, into.store
     threads = into.threads
-    choice: tuple[int | None, str | None] = (None, None)
+    choice: tuple[int | None, str | None, str | None] = (None, None, None)
     if comm.rank == 0:
-        committed = store.committed_steps()
-        if step is None:
-            choice = (committed[-1] if committed else None, None)
-        elif step in committed:
-            choice = (step, None)
+        try:
+            committed = store.committed_steps()
+        except Exception as exc:  # broadcast: the other ranks must not wait for a choice
+            choice = (None, None, f"cannot list the checkpoints of {store.uri}: {exc}")
         else:
-            known = ", ".join(map(str, committed)) or "none"
-            choice = (
-                None,
-                f"no committed checkpoint of step {step} in {store.uri} (committed: {known})",
-            )
-    target, missing = comm.broadcast(choice)
+            if step is None:
+                choice = (committed[-1] if committed else None, None, None)
+            elif step in committed:
+                choice = (step, None, None)
+            else:
+                known = ", ".join(map(str, committed)) or "none"
+                choice = (
+                    None,
+                    f"no committed checkpoint of step {step} in {store.uri} (committed: {known})",
+                    None,
+                )
+    target, missing, unlisted = comm.broadcast(choice)
+    if unlisted is not None:
+        raise RestoreError(f"rank 0: {unlisted}")
     if missing is not None:
         raise ChainIncompleteError(store.step_path(int(step or 0), MANIFEST_NAME), missing)
     if target is None:

@@ -15,9 +15,9 @@ Pipeline of one ``save(step)`` (every rank calls it together):
               the last piece's copy also runs in the background, and the next weight update
               (the fused backward, the dense optimizer step) waits for it. An error here is
               kept for the persist, which reports it on every rank;
-4. persist  - in the background: encode and write Parquet files and the dense files, agree
-              across ranks, rank 0 writes the manifest last, which commits the checkpoint;
-              ranks agree again, then rank 0 applies retention;
+4. persist  - in the background (:mod:`embckpt.save.persist`): encode and write Parquet files
+              and the dense files, agree across ranks, rank 0 writes the manifest last, which
+              commits the checkpoint; ranks agree again, then rank 0 applies retention;
 5. resolve  - the training thread applies the outcome at its next save, restore, ``wait()`` or
               ``close()``: committed, the staged changes take effect; failed, they are rolled
               back on every rank and rank 0 has deleted the step's files.
@@ -29,125 +29,32 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
-import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
-from embckpt.collective import Collective
-from embckpt.config import CheckpointConfig, codec_for
+from embckpt.config import codec_for
 from embckpt.errors import SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
-from embckpt.policy import Decision, Kind, Policy, PolicyInput, bits_for_restores
+from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores
 from embckpt.read.restore import RestoreResult
+from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
+from embckpt.save.pending import PendingCheckpoint
+from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
 from embckpt.save.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
 from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
-from embckpt.sharding import ShardedModel
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, WrittenFile
-from embckpt.storage.lock import DirectoryLock
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, TableEntry
+from embckpt.storage.fs import MANIFEST_NAME
+from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import PhaseClock
-from embckpt.storage.retention import apply_retention
 from embckpt.tracking import View
 
-log = logging.getLogger(__name__)
-
-DENSE_FILE = "dense/model.safetensors"
-
-
-def rank_file(rank: int) -> str:
-    return f"dense/rank_{rank:05d}.safetensors"
-
-
-class PendingCheckpoint:
-    """A save in progress. ``wait()`` returns its manifest (None if the policy skipped) or raises
-    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread.
-
-    Call ``wait()`` from the training thread: it also applies the save's outcome."""
-
-    def __init__(
-        self,
-        step: int,
-        future: concurrent.futures.Future[Manifest | None],
-        transaction: SaveTransaction | None = None,
-    ) -> None:
-        self.step = step
-        self.blocked_s = 0.0
-        self._future = future
-        self._transaction = transaction
-        self._settled = False
-        self._lock = threading.Lock()
-        self.observed = False
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def settle(self) -> None:
-        """Waits for the outcome and applies it (once): commit or roll back."""
-        error = self._future.exception()
-        with self._lock:
-            if self._settled:
-                return
-            self._settled = True
-            if self._transaction is None:
-                return
-            if error is None:
-                manifest = self._future.result()
-                assert manifest is not None
-                self._transaction.commit(manifest)
-            else:
-                self._transaction.roll_back()
-
-    def wait(self) -> Manifest | None:
-        self.settle()
-        self.observed = True
-        return self._future.result()
-
-
-@dataclass
-class _Snapshot:
-    """Everything one checkpoint writes, staged; ``pending`` is the part the persist stages."""
-
-    step: int
-    decision: Decision
-    dirty_fraction: float
-    touched_fraction: float  # of all rows, touched since the previous checkpoint
-    started: float
-    clock: PhaseClock
-    transaction: SaveTransaction
-    dense: dict[str, Any] | None = None
-    rank: dict[str, Any] = field(default_factory=dict)
-    pending: list[Unit] = field(default_factory=list)
-    staged: list[StagedUnit] = field(default_factory=list)
-    entries: list[FileEntry] = field(default_factory=list)
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class SaveContext:
-    """What the saver works on, built by the ``Checkpointer``."""
-
-    model: nn.Module
-    optimizer: Any | None
-    statefuls: Mapping[str, dense.Stateful]
-    config: CheckpointConfig
-    comm: Collective
-    store: CheckpointStore
-    lock: DirectoryLock
-    sharded: ShardedModel
-    policy: Policy
-    tables: tuple[TableEntry, ...]
-    full_fp32_bytes: int
+__all__ = ["PendingCheckpoint", "Saver"]
 
 
 class Saver:
@@ -171,7 +78,7 @@ class Saver:
         device = shards[0].weight.device if shards else torch.device("cpu")
         self._arena = StagingArena(context.config.staging_budget_bytes, device)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._persister = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._inflight: PendingCheckpoint | None = None
         self._guard = (
             UpdateGuard(context.model, context.optimizer)
@@ -179,6 +86,7 @@ class Saver:
             else None
         )
         self._blocked_since_tick = 0.0
+        self._persister = Persister(context, state, writer, self._stage_piece, self._release_guard)
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -218,7 +126,7 @@ class Saver:
         snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
         mode = self.ctx.config.pipeline
         if mode == "off":
-            _run_into(future, self._persist, snapshot)
+            _run_into(future, self._persister.persist, snapshot)
         else:
             if mode == "persist" and snapshot.pending and snapshot.error is None:
                 try:
@@ -229,7 +137,7 @@ class Saver:
                 snapshot.pending = []
             elif snapshot.pending and self._guard is not None:
                 self._guard.hold()  # weight updates wait until the background copy is done
-            self._persister.submit(_run_into, future, self._persist, snapshot)
+            self._thread.submit(_run_into, future, self._persister.persist, snapshot)
         handle.blocked_s = time.perf_counter() - started
         self._blocked_since_tick += handle.blocked_s
         self.state.last_blocked_s = handle.blocked_s
@@ -280,7 +188,7 @@ class Saver:
                 local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
                 local[2] += shard.num_rows * shard.num_cols
         except Exception as exc:  # raised on every rank by the agreement below
-            error = _as_save_error(exc, step, comm.rank, "deciding")
+            error = as_save_error(exc, step, comm.rank, "deciding")
         times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
         gathered = comm.gather_checked(
             (local, times), error, f"deciding step {step}", SaveRankError
@@ -301,7 +209,7 @@ class Saver:
                 dirty[View.SINCE_LAST],
                 dirty[View.SINCE_FULL],
                 head.history if head is not None else (),
-                None if head is None else _chain_bytes(head),
+                None if head is None else chain_bytes(head),
             )
         )
         if self.codec.delta and decision.kind is Kind.DIFF and not state.reference.ready:
@@ -351,8 +259,8 @@ class Saver:
                 )
             if step in store.leftover_steps():
                 store.remove_step(step)  # debris of an interrupted save of this step
-        except OSError as exc:
-            return f"step {step}: cannot prepare {store.step_path(step)}: {exc}"
+        except Exception as exc:  # broadcast: the other ranks must not wait for an answer
+            return f"step {step}: rank 0: cannot prepare {store.step_path(step)}: {exc}"
         return None
 
     @torch.no_grad()
@@ -364,12 +272,12 @@ class Saver:
         started: float,
         clock: PhaseClock,
         transaction: SaveTransaction,
-    ) -> _Snapshot:
+    ) -> Snapshot:
         """Stages what the checkpoint writes. Nothing here raises: an error is kept in the
         snapshot and reported on every rank by the persist (a rank that raised here alone would
         leave the others waiting in a collective)."""
         fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
-        snapshot = _Snapshot(
+        snapshot = Snapshot(
             step=step,
             decision=decision,
             dirty_fraction=fraction,
@@ -377,6 +285,8 @@ class Saver:
             started=started,
             clock=clock,
             transaction=transaction,
+            codec=self.codec,
+            restores=self.restores,
         )
         try:
             pieces = self._stage_state(snapshot)
@@ -398,7 +308,7 @@ class Saver:
         snapshot.pending = pieces[-1]
         return snapshot
 
-    def _stage_state(self, snapshot: _Snapshot) -> list[list[Unit]]:
+    def _stage_state(self, snapshot: Snapshot) -> list[list[Unit]]:
         """Takes the tracker views, copies the dense and rank state, and plans the pieces."""
         ctx, tracker = self.ctx, self.state.tracker
         decision = snapshot.decision
@@ -427,167 +337,16 @@ class Saver:
         units = plan_units(selected, ctx.config.max_file_rows, budget)
         return plan_pieces(units, budget)
 
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release()
+
     def _stage_piece(self, piece: list[Unit]) -> list[StagedUnit]:
         failpoints.hit("save.stage")
         staged = stage(piece, self._arena, self._side_stream)
         if self._side_stream is not None:
             self._side_stream.synchronize()
         return staged
-
-    def _persist(self, snapshot: _Snapshot) -> Manifest:
-        """Writes, agrees, commits (persist thread). Changes no saver state: the outcome is
-        applied by :meth:`PendingCheckpoint.settle` on the training thread."""
-        ctx = self.ctx
-        comm, step = ctx.comm, snapshot.step
-        started = time.perf_counter()
-        try:
-            error = snapshot.error
-            if error is None and snapshot.pending:
-                try:
-                    with snapshot.clock.time("snapshot"):
-                        snapshot.staged = self._stage_piece(snapshot.pending)
-                except Exception as exc:
-                    error = exc
-            self._release_guard()
-            if error is None:
-                error = self._write_rest(snapshot)
-            agreeing = time.perf_counter()
-            comm.check(_as_save_error(error, step, comm.rank), f"saving step {step}", SaveRankError)
-            phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
-            phases["commit"] += time.perf_counter() - agreeing
-            gathered = comm.all_gather((snapshot.entries, phases))
-            entries = [e for rank_entries, _ in gathered for e in rank_entries]
-            manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
-            error = None
-            if comm.rank == 0:
-                try:
-                    failpoints.hit("save.manifest")
-                    ctx.lock.check_held()  # a job that lost the directory never commits
-                    ctx.store.write_atomic(
-                        ctx.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
-                    )
-                except Exception as exc:
-                    error = exc
-            comm.check(
-                _as_save_error(error, step, comm.rank, "writing the manifest"),
-                f"committing step {step}",
-                SaveRankError,
-            )
-        except BaseException:
-            self._release_guard()
-            self._discard_step(step)
-            raise
-        if comm.rank == 0:
-            self._apply_retention(step)
-        self._await_retention(step)
-        return manifest.with_stats(persist_seconds=time.perf_counter() - started)
-
-    def _discard_step(self, step: int) -> None:
-        """Rank 0, after a failed save: deletes its files, manifest first if one was written
-        (then every rank agreed it failed, so it is not a checkpoint). Best effort, and only
-        while this job holds the directory: a folder left behind is a leftover, never read."""
-        if self.ctx.comm.rank != 0:
-            return
-        try:
-            self.ctx.lock.check_held()
-            self.ctx.store.remove_step(step)
-        except Exception as exc:  # the save's own error is the one raised
-            log.warning("could not delete the files of failed step %d: %s", step, exc)
-
-    def _apply_retention(self, step: int) -> None:
-        """Rank 0, after the commit: drop what is not kept. Its failure never fails the save
-        (the checkpoint is committed): it is logged and retried after the next one."""
-        if not self.ctx.config.keep_last:
-            return
-        try:
-            failpoints.hit("save.retention")
-            apply_retention(self.ctx.store, self.ctx.config.keep_last)
-        except Exception as exc:
-            log.warning("retention after step %d failed: %s", step, exc)
-
-    def _await_retention(self, step: int) -> None:
-        """Every rank returns once rank 0's retention is done, so a rank that lists the
-        directory after ``wait()`` sees what is kept. The save is committed whatever happens
-        here: a failed agreement is logged, and the next save's collectives report it."""
-        try:
-            self.ctx.comm.all_gather(None)
-        except Exception as exc:
-            log.warning("step %d is committed, but the ranks did not meet after it: %s", step, exc)
-
-    def _release_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.release()
-
-    def _write_rest(self, snapshot: _Snapshot) -> BaseException | None:
-        """Writes the last piece's rows and the dense files; returns the error, if any."""
-        step, clock = snapshot.step, snapshot.clock
-        store, rank = self.ctx.store, self.ctx.comm.rank
-        try:
-            snapshot.entries.extend(
-                self.writer.write(
-                    step,
-                    snapshot.staged,
-                    snapshot.decision,
-                    self.codec,
-                    snapshot.transaction.edits,
-                )
-            )
-            failpoints.hit("save.dense")
-            # write_file's own time, less its write and fsync, is the file's checksum.
-            if snapshot.dense is not None:
-                with clock.time("encode"):
-                    data = dense.encode_tree(snapshot.dense)
-                with clock.time("hash"):
-                    written = store.write_file(step, DENSE_FILE, data)
-                snapshot.entries.append(_entry(written, "dense", rank))
-            with clock.time("encode"):
-                data = dense.encode_tree(snapshot.rank)
-            with clock.time("hash"):
-                written = store.write_file(step, rank_file(rank), data)
-            snapshot.entries.append(_entry(written, "rank", rank))
-            failpoints.hit("save.agree")
-        except Exception as exc:
-            return exc
-        return None
-
-    def _manifest(
-        self, snapshot: _Snapshot, files: list[FileEntry], phases: list[dict[str, float]]
-    ) -> Manifest:
-        ctx = self.ctx
-        full = snapshot.decision.kind is Kind.FULL
-        slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
-        head = self.state.head
-        total = sum(f.bytes for f in files)
-        entry = HistoryEntry(
-            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
-        )
-        history = (entry,) if full or head is None else (*head.history, entry)
-        return Manifest(
-            step=snapshot.step,
-            kind=snapshot.decision.kind.value,
-            policy=ctx.policy.name,
-            base_step=snapshot.step if full or head is None else head.base_step,
-            parent_step=None if full or head is None else _parent(head, snapshot.decision),
-            world_size=ctx.comm.world_size,
-            codec=self.codec.get_config(),
-            tables=ctx.tables,
-            files=tuple(sorted(files, key=lambda f: f.path)),
-            history=history,
-            stats={
-                "rows_written": sum(f.rows for f in files if f.role == "rows"),
-                "dirty_fraction": snapshot.dirty_fraction,
-                "touched_fraction": snapshot.touched_fraction,
-                "full_fp32_bytes": ctx.full_fp32_bytes,
-                "save_seconds": time.perf_counter() - snapshot.started,
-                "phase_seconds": phases[slowest],
-                "phase_rank": slowest,
-                "reason": snapshot.decision.reason,
-                "chain_bytes": total
-                + (0 if full or head is None else _chain_bytes(head, snapshot.decision.view)),
-                "restores": self.restores,
-                "created_unix": time.time(),
-            },
-        )
 
     # -- after a restore ---------------------------------------------------------------------
     def restored(self, result: RestoreResult | None) -> None:
@@ -625,7 +384,7 @@ class Saver:
         try:
             self.finish_inflight()
         finally:
-            self._persister.shutdown(wait=True)
+            self._thread.shutdown(wait=True)
             self.writer.close()
             if self._guard is not None:
                 self._guard.close()
@@ -637,39 +396,3 @@ def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args
         future.set_result(fn(*args))
     except BaseException as exc:  # delivered through the future, raised on wait()/next save()
         future.set_exception(exc)
-
-
-def _as_save_error(
-    error: BaseException | None, step: int, rank: int, what: str = "writing"
-) -> BaseException | None:
-    """``error`` as a :class:`SaveError` naming the step and rank (its message names the
-    file where the failure had one)."""
-    if error is None or isinstance(error, SaveError):
-        return error
-    wrapped = SaveError(f"step {step}: rank {rank}: {what} failed: {error}")
-    wrapped.__cause__ = error
-    return wrapped
-
-
-def _chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
-    """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
-    up to ``head`` (incremental), or its full alone (one-shot). Manifests without the figure
-    count as one-shot chains (their full and themselves)."""
-    full = head.history[0].bytes
-    if view is View.SINCE_FULL:
-        return full
-    known = head.stats.get("chain_bytes")
-    if isinstance(known, int):
-        return known
-    return full if head.kind == "full" else full + head.history[-1].bytes
-
-
-def _parent(head: Manifest, decision: Decision) -> int:
-    """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
-    return head.base_step if decision.view == View.SINCE_FULL else head.step
-
-
-def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
-    return FileEntry(
-        path=written.path, bytes=written.bytes, checksum=written.checksum, role=role, rank=rank
-    )

@@ -1,0 +1,36 @@
+"""What a save works on: the model, its directory and settings, built once by the
+``Checkpointer`` and shared by the saver and its persist."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from embckpt import dense
+from embckpt.collective import Collective
+from embckpt.config import CheckpointConfig
+from embckpt.policy import Policy
+from embckpt.sharding import ShardedModel
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.lock import DirectoryLock
+from embckpt.storage.manifest import TableEntry
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What the saver works on, built by the ``Checkpointer``."""
+
+    model: nn.Module
+    optimizer: Any | None
+    statefuls: Mapping[str, dense.Stateful]
+    config: CheckpointConfig
+    comm: Collective
+    store: CheckpointStore
+    lock: DirectoryLock
+    sharded: ShardedModel
+    policy: Policy
+    tables: tuple[TableEntry, ...]
+    full_fp32_bytes: int

@@ -1,0 +1,55 @@
+"""The handle ``save`` returns: the outcome of a save in flight, applied once on the training
+thread."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+from embckpt.save.transaction import SaveTransaction
+from embckpt.storage.manifest import Manifest
+
+
+class PendingCheckpoint:
+    """A save in progress. ``wait()`` returns its manifest (None if the policy skipped) or raises
+    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread.
+
+    Call ``wait()`` from the training thread: it also applies the save's outcome."""
+
+    def __init__(
+        self,
+        step: int,
+        future: concurrent.futures.Future[Manifest | None],
+        transaction: SaveTransaction | None = None,
+    ) -> None:
+        self.step = step
+        self.blocked_s = 0.0
+        self._future = future
+        self._transaction = transaction
+        self._settled = False
+        self._lock = threading.Lock()
+        self.observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def settle(self) -> None:
+        """Waits for the outcome and applies it (once): commit or roll back."""
+        error = self._future.exception()
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            if self._transaction is None:
+                return
+            if error is None:
+                manifest = self._future.result()
+                assert manifest is not None
+                self._transaction.commit(manifest)
+            else:
+                self._transaction.roll_back()
+
+    def wait(self) -> Manifest | None:
+        self.settle()
+        self.observed = True
+        return self._future.result()

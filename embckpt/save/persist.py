@@ -1,0 +1,273 @@
+"""The persist of a save: its files, the ranks' agreement and the manifest that commits it.
+
+Runs on the persist thread (inline with ``pipeline="off"``) and changes no saver state: it
+returns the committed manifest or raises, the same on every rank, and the training thread
+applies that outcome (``save/transaction.py``). Order: the last piece is staged (the next weight
+update waits for it), rows and dense files are written, ranks agree, rank 0 writes the manifest,
+ranks agree again; then rank 0 applies retention and the ranks meet once more. On any failure
+rank 0 deletes the step's files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from embckpt import dense, failpoints
+from embckpt.codecs import Codec
+from embckpt.errors import SaveError, SaveRankError
+from embckpt.policy import Decision, Kind
+from embckpt.save.context import SaveContext
+from embckpt.save.snapshot import StagedUnit, Unit
+from embckpt.save.transaction import SaveState, SaveTransaction
+from embckpt.save.writer import RowFileWriter
+from embckpt.storage.fs import MANIFEST_NAME, WrittenFile
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
+from embckpt.storage.phases import PhaseClock
+from embckpt.storage.retention import apply_retention
+from embckpt.tracking import View
+
+log = logging.getLogger(__name__)
+
+DENSE_FILE = "dense/model.safetensors"
+
+
+def rank_file(rank: int) -> str:
+    return f"dense/rank_{rank:05d}.safetensors"
+
+
+@dataclass
+class Snapshot:
+    """Everything one checkpoint writes, staged; ``pending`` is the part the persist stages."""
+
+    step: int
+    decision: Decision
+    dirty_fraction: float
+    touched_fraction: float  # of all rows, touched since the previous checkpoint
+    started: float
+    clock: PhaseClock
+    transaction: SaveTransaction
+    codec: Codec  # the row codec of this save
+    restores: int  # restores the job went through, recorded in the manifest
+    dense: dict[str, Any] | None = None
+    rank: dict[str, Any] = field(default_factory=dict)
+    pending: list[Unit] = field(default_factory=list)
+    staged: list[StagedUnit] = field(default_factory=list)
+    entries: list[FileEntry] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class Persister:
+    """Writes and commits snapshots.
+
+    Args:
+        context: the model, directory and settings.
+        state: read only here: the chain head the manifest continues.
+        writer: the rows-file writer.
+        stage: copies a piece into the staging arena (the saver's).
+        release_guard: lets weight updates go on once the last piece is staged.
+    """
+
+    def __init__(
+        self,
+        context: SaveContext,
+        state: SaveState,
+        writer: RowFileWriter,
+        stage: Callable[[list[Unit]], list[StagedUnit]],
+        release_guard: Callable[[], None],
+    ) -> None:
+        self.ctx = context
+        self.state = state
+        self.writer = writer
+        self._stage_piece = stage
+        self._release_guard = release_guard
+
+    def persist(self, snapshot: Snapshot) -> Manifest:
+        """Writes, agrees, commits (persist thread). Changes no saver state: the outcome is
+        applied by :meth:`PendingCheckpoint.settle` on the training thread."""
+        ctx = self.ctx
+        comm, step = ctx.comm, snapshot.step
+        started = time.perf_counter()
+        try:
+            error = snapshot.error
+            if error is None and snapshot.pending:
+                try:
+                    with snapshot.clock.time("snapshot"):
+                        snapshot.staged = self._stage_piece(snapshot.pending)
+                except Exception as exc:
+                    error = exc
+            self._release_guard()
+            if error is None:
+                error = self._write_rest(snapshot)
+            agreeing = time.perf_counter()
+            comm.check(as_save_error(error, step, comm.rank), f"saving step {step}", SaveRankError)
+            phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
+            phases["commit"] += time.perf_counter() - agreeing
+            gathered = comm.all_gather((snapshot.entries, phases))
+            entries = [e for rank_entries, _ in gathered for e in rank_entries]
+            manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
+            error = None
+            if comm.rank == 0:
+                try:
+                    failpoints.hit("save.manifest")
+                    ctx.lock.check_held()  # a job that lost the directory never commits
+                    ctx.store.write_atomic(
+                        ctx.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
+                    )
+                except Exception as exc:
+                    error = exc
+            comm.check(
+                as_save_error(error, step, comm.rank, "writing the manifest"),
+                f"committing step {step}",
+                SaveRankError,
+            )
+        except BaseException:
+            self._release_guard()
+            self._discard_step(step)
+            raise
+        if comm.rank == 0:
+            self._apply_retention(step)
+        self._await_retention(step)
+        return manifest.with_stats(persist_seconds=time.perf_counter() - started)
+
+    def _discard_step(self, step: int) -> None:
+        """Rank 0, after a failed save: deletes its files, manifest first if one was written
+        (then every rank agreed it failed, so it is not a checkpoint). Best effort, and only
+        while this job holds the directory: a folder left behind is a leftover, never read."""
+        if self.ctx.comm.rank != 0:
+            return
+        try:
+            self.ctx.lock.check_held()
+            self.ctx.store.remove_step(step)
+        except Exception as exc:  # the save's own error is the one raised
+            log.warning("could not delete the files of failed step %d: %s", step, exc)
+
+    def _apply_retention(self, step: int) -> None:
+        """Rank 0, after the commit: drop what is not kept. Its failure never fails the save
+        (the checkpoint is committed): it is logged and retried after the next one."""
+        if not self.ctx.config.keep_last:
+            return
+        try:
+            failpoints.hit("save.retention")
+            apply_retention(self.ctx.store, self.ctx.config.keep_last)
+        except Exception as exc:
+            log.warning("retention after step %d failed: %s", step, exc)
+
+    def _await_retention(self, step: int) -> None:
+        """Every rank returns once rank 0's retention is done, so a rank that lists the
+        directory after ``wait()`` sees what is kept. The save is committed whatever happens
+        here: a failed agreement is logged, and the next save's collectives report it."""
+        try:
+            self.ctx.comm.all_gather(None)
+        except Exception as exc:
+            log.warning("step %d is committed, but the ranks did not meet after it: %s", step, exc)
+
+    def _write_rest(self, snapshot: Snapshot) -> BaseException | None:
+        """Writes the last piece's rows and the dense files; returns the error, if any."""
+        step, clock = snapshot.step, snapshot.clock
+        store, rank = self.ctx.store, self.ctx.comm.rank
+        try:
+            snapshot.entries.extend(
+                self.writer.write(
+                    step,
+                    snapshot.staged,
+                    snapshot.decision,
+                    snapshot.codec,
+                    snapshot.transaction.edits,
+                )
+            )
+            failpoints.hit("save.dense")
+            # write_file's own time, less its write and fsync, is the file's checksum.
+            if snapshot.dense is not None:
+                with clock.time("encode"):
+                    data = dense.encode_tree(snapshot.dense)
+                with clock.time("hash"):
+                    written = store.write_file(step, DENSE_FILE, data)
+                snapshot.entries.append(_entry(written, "dense", rank))
+            with clock.time("encode"):
+                data = dense.encode_tree(snapshot.rank)
+            with clock.time("hash"):
+                written = store.write_file(step, rank_file(rank), data)
+            snapshot.entries.append(_entry(written, "rank", rank))
+            failpoints.hit("save.agree")
+        except Exception as exc:
+            return exc
+        return None
+
+    def _manifest(
+        self, snapshot: Snapshot, files: list[FileEntry], phases: list[dict[str, float]]
+    ) -> Manifest:
+        ctx = self.ctx
+        full = snapshot.decision.kind is Kind.FULL
+        slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
+        head = self.state.head
+        total = sum(f.bytes for f in files)
+        entry = HistoryEntry(
+            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
+        )
+        history = (entry,) if full or head is None else (*head.history, entry)
+        return Manifest(
+            step=snapshot.step,
+            kind=snapshot.decision.kind.value,
+            policy=ctx.policy.name,
+            base_step=snapshot.step if full or head is None else head.base_step,
+            parent_step=None if full or head is None else _parent(head, snapshot.decision),
+            world_size=ctx.comm.world_size,
+            codec=snapshot.codec.get_config(),
+            tables=ctx.tables,
+            files=tuple(sorted(files, key=lambda f: f.path)),
+            history=history,
+            stats={
+                "rows_written": sum(f.rows for f in files if f.role == "rows"),
+                "dirty_fraction": snapshot.dirty_fraction,
+                "touched_fraction": snapshot.touched_fraction,
+                "full_fp32_bytes": ctx.full_fp32_bytes,
+                "save_seconds": time.perf_counter() - snapshot.started,
+                "phase_seconds": phases[slowest],
+                "phase_rank": slowest,
+                "reason": snapshot.decision.reason,
+                "chain_bytes": total
+                + (0 if full or head is None else chain_bytes(head, snapshot.decision.view)),
+                "restores": snapshot.restores,
+                "created_unix": time.time(),
+            },
+        )
+
+
+def as_save_error(
+    error: BaseException | None, step: int, rank: int, what: str = "writing"
+) -> BaseException | None:
+    """``error`` as a :class:`SaveError` naming the step and rank (its message names the
+    file where the failure had one)."""
+    if error is None or isinstance(error, SaveError):
+        return error
+    wrapped = SaveError(f"step {step}: rank {rank}: {what} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
+    """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
+    up to ``head`` (incremental), or its full alone (one-shot). Manifests without the figure
+    count as one-shot chains (their full and themselves)."""
+    full = head.history[0].bytes
+    if view is View.SINCE_FULL:
+        return full
+    known = head.stats.get("chain_bytes")
+    if isinstance(known, int):
+        return known
+    return full if head.kind == "full" else full + head.history[-1].bytes
+
+
+def _parent(head: Manifest, decision: Decision) -> int:
+    """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
+    return head.base_step if decision.view == View.SINCE_FULL else head.step
+
+
+def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
+    return FileEntry(
+        path=written.path, bytes=written.bytes, checksum=written.checksum, role=role, rank=rank
+    )
