@@ -13,14 +13,6 @@ import toy_model as tm
 from embckpt.examples.launcher import run_ranks
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # the scenario reports what was raised
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _on_rank0(rank: int, fn) -> None:
     if rank == 0:
         fn()
@@ -53,7 +45,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         return real_write(step, relative, data, *checksum)
 
     ckpt.store.write_file = failing_write
-    out["failed_save"] = _error(lambda: ckpt.save(15).wait())
+    out["failed_save"] = tm.raised(lambda: ckpt.save(15).wait())
     ckpt.store.write_file = real_write
     out["manifest_15_after_failure"] = os.path.exists(f"{root}/a/step_000000000015/MANIFEST.json")
     out["leftover_15"] = ckpt.store.leftover_steps()
@@ -79,7 +71,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     _on_rank0(rank, lambda: open(target, "wb").write(original[: len(original) // 2]))
     with Checkpointer(fresh, f"{root}/a", optimizer=fresh_opt, config=one_shot) as other:
         before = tm.snapshot_state(fresh, fresh_opt, rank)
-        out["truncated"] = _error(other.restore)
+        out["truncated"] = tm.raised(other.restore)
         out["untouched_after_refusal"] = tm.differences(
             before, tm.snapshot_state(fresh, fresh_opt, rank)
         )
@@ -87,7 +79,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         altered = bytearray(original)
         altered[len(altered) // 3] ^= 0xFF
         _on_rank0(rank, lambda: open(target, "wb").write(bytes(altered)))
-        out["altered"] = _error(other.restore)
+        out["altered"] = tm.raised(other.restore)
         _on_rank0(rank, lambda: open(target, "wb").write(original))
         out["repaired"] = other.restore()
 
@@ -99,12 +91,12 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
             chain.save(step).wait()
     _on_rank0(rank, lambda: os.remove(f"{root}/b/step_000000000017/MANIFEST.json"))
     with Checkpointer(fresh, f"{root}/b", optimizer=fresh_opt, config=incremental) as other:
-        out["missing_link"] = _error(other.restore)
+        out["missing_link"] = tm.raised(other.restore)
 
     # 5. A model whose tables differ from the checkpoint's.
     bigger, bigger_opt = tm.build(world_size, seed=0, rows=tm.ROWS + 8)
     with Checkpointer(bigger, f"{root}/a", optimizer=bigger_opt) as other:
-        out["mismatch"] = _error(other.restore)
+        out["mismatch"] = tm.raised(other.restore)
 
     # 6. An empty directory restores nothing, on every rank.
     with Checkpointer(fresh, f"{root}/empty", optimizer=fresh_opt) as other:

@@ -12,14 +12,6 @@ import toy_model as tm
 from embckpt.examples.launcher import run_ranks
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # the scenario reports what was raised
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _blocks_equal(a: dict, b: dict) -> bool:
     import torch
 
@@ -61,7 +53,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         tm.train_step(model, opt, 3, rank, hot=60)
         if rank == 0:
             failpoints.arm("save.dense")
-        out["failed_diff"] = _error(lambda: ckpt.save(3).wait())
+        out["failed_diff"] = tm.raised(lambda: ckpt.save(3).wait())
         out["reference_kept"] = _blocks_equal(before, ckpt.reconstruction())
         out["leftover_3"] = os.path.exists(f"{root}/delta/step_000000000003")
         tm.train_step(model, opt, 4, rank, hot=60)
@@ -82,7 +74,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         tm.train_step(model, opt, 8, rank, hot=60)
         if rank == 1:
             failpoints.arm("save.encode")
-        out["failed_full"] = _error(lambda: ckpt.save(8).wait())
+        out["failed_full"] = tm.raised(lambda: ckpt.save(8).wait())
         out["ready_after_failed_full"] = ckpt.writer.reference.ready
         tm.train_step(model, opt, 9, rank, hot=60)
         kinds.append(ckpt.save(9).wait().kind)
@@ -96,7 +88,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     small = CheckpointConfig(policy="one_shot", staging_budget_bytes=8 if rank == 1 else 4 << 30)
     with Checkpointer(model, f"{root}/plan", optimizer=opt, config=small) as ckpt:
         tm.train_step(model, opt, 10, rank, hot=60)
-        out["plan_error"] = _error(lambda: ckpt.save(10).wait())
+        out["plan_error"] = tm.raised(lambda: ckpt.save(10).wait())
         out["plan_committed"] = ckpt.store.committed_steps()
     config = CheckpointConfig(policy="one_shot", full_every=0, pipeline="off")
     with Checkpointer(model, f"{root}/bits", optimizer=opt, config=config) as ckpt:
@@ -104,7 +96,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         tm.train_step(model, opt, 11, rank, hot=60)
         if rank == 1:
             failpoints.arm("save.plan")
-        out["bits_error"] = _error(lambda: ckpt.save(11))
+        out["bits_error"] = tm.raised(lambda: ckpt.save(11))
         ckpt.save(12)  # no training since 11: it writes exactly the rows the failure gave back
         fresh, fresh_opt = tm.build(world_size, seed=9)
         with Checkpointer(fresh, f"{root}/bits", optimizer=fresh_opt, config=config) as other:
@@ -149,7 +141,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     with Checkpointer(model, f"{root}/kept", optimizer=opt, config=config) as ckpt:
         if rank == 1:
             failpoints.arm("restore.apply")
-        out["restore_error"] = _error(ckpt.restore)
+        out["restore_error"] = tm.raised(ckpt.restore)
         tm.train_step(model, opt, 25, rank, hot=60)
         out["after_failed_restore"] = ckpt.save(25).wait().kind
         out["restored"] = ckpt.restore()

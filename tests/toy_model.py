@@ -132,3 +132,13 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Keys whose tensors are not bit-identical (or exist on one side only)."""
     keys = set(a) | set(b)
     return sorted(k for k in keys if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def raised(fn) -> str | None:
+    """What ``fn()`` raised, as ``Type: message`` (None if it returned): scenarios on ranks
+    report their errors to the test in the parent process."""
+    try:
+        fn()
+    except Exception as exc:  # the scenario reports what was raised
+        return f"{type(exc).__name__}: {exc}"
+    return None

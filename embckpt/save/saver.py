@@ -123,21 +123,26 @@ class Saver:
         handle = PendingCheckpoint(step, future, transaction)
         clock = PhaseClock()
         self.ctx.store.clock = clock  # the store's writes report their write and fsync time
-        snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
         mode = self.ctx.config.pipeline
-        if mode == "off":
-            _run_into(future, self._persister.persist, snapshot)
-        else:
-            if mode == "persist" and snapshot.pending and snapshot.error is None:
-                try:
-                    with clock.time("snapshot"):
-                        snapshot.staged = self._stage_piece(snapshot.pending)
-                except Exception as exc:  # reported on every rank by the persist
-                    snapshot.error = exc
-                snapshot.pending = []
-            elif snapshot.pending and self._guard is not None:
-                self._guard.hold()  # weight updates wait until the background copy is done
-            self._thread.submit(_run_into, future, self._persister.persist, snapshot)
+        try:
+            snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
+            if mode == "off":
+                _run_into(future, self._persister.persist, snapshot)
+            else:
+                if mode == "persist" and snapshot.pending and snapshot.error is None:
+                    try:
+                        with clock.time("snapshot"):
+                            snapshot.staged = self._stage_piece(snapshot.pending)
+                    except Exception as exc:  # reported on every rank by the persist
+                        snapshot.error = exc
+                    snapshot.pending = []
+                elif snapshot.pending and self._guard is not None:
+                    self._guard.hold()  # weight updates wait until the background copy is done
+                self._thread.submit(_run_into, future, self._persister.persist, snapshot)
+        except BaseException:  # an interrupt: errors go to the persist, which reports them
+            self._release_guard()
+            transaction.roll_back()
+            raise
         handle.blocked_s = time.perf_counter() - started
         self._blocked_since_tick += handle.blocked_s
         self.state.last_blocked_s = handle.blocked_s
