@@ -73,6 +73,7 @@ SAVE_POINTS = (
     "save.dense",
     "save.agree",
     "save.manifest",
+    "save.retention",  # after the commit: the save must still commit
 )
 RESTORE_POINTS = ("restore.plan", "restore.fetch", "restore.side_state", "restore.apply")
 RESHARD = {"tw": "rw", "rw": "cw", "cw": "tw", "twrw": "rw"}  # data-parallel stays
@@ -143,8 +144,7 @@ def make_schedule(
         else:
             fault = Fault("point", 0, point="merge.write") if rng.random() < 0.4 else None
             ops.append(("merge", fault))
-    ops.append(("save", None))
-    ops.append(("restore", 1.0, None))
+    ops.extend([("train", 1), ("save", None), ("restore", 1.0, None)])
     return Schedule(seed, codec, policy, settings, tuple(ops))
 
 
@@ -185,6 +185,8 @@ class Outcome:
     seed: int
     codec_policy: str
     events: list[tuple[Any, ...]] = field(default_factory=list)  # compared across ranks
+    fired: list[int] = field(default_factory=list)  # faults fired here during each event
+    errors: list[str] = field(default_factory=list)  # what each failed operation raised here
     silent: list[str] = field(default_factory=list)
     faults: int = 0
     saves_failed: int = 0
@@ -250,12 +252,21 @@ class _Run:
 
         armed = failpoints.armed()
         fired = self.handler.write_faults + self.handler.read_faults
-        self.out.faults += fired + (1 if self._point_armed and not armed else 0)
+        fired += 1 if self._point_armed and not armed else 0
+        self.out.faults += fired
+        self._fired_now += fired
         failpoints.disarm()
         self.handler.reset(FaultPlan())
         self._point_armed = False
 
     _point_armed = False
+    _fired_now = 0
+
+    def _event(self, *event: Any) -> None:
+        """Records an operation's outcome and the faults this rank injected into it."""
+        self.out.events.append(event)
+        self.out.fired.append(self._fired_now)
+        self._fired_now = 0
 
     def _attempt(self, fault: Fault | None, fn: Any) -> tuple[Any, str | None]:
         self._arm(fault)
@@ -267,6 +278,7 @@ class _Run:
         except Exception as exc:
             if not isinstance(exc, EmbckptError):  # every failure must reach users as ours
                 self.out.silent.append(f"not an embckpt error: {type(exc).__name__}: {exc}")
+            self.out.errors.append(f"{type(exc).__name__}: {exc}")
             return None, type(exc).__name__
         finally:
             self._disarm()
@@ -281,9 +293,11 @@ class _Run:
         step = self.step
         manifest, error = self._attempt(fault, lambda: self.ckpt.save(step).wait())
         committed = error is None and manifest is not None
-        self.out.events.append(("save", step, "committed" if committed else "failed"))
+        self._event("save", step, "committed" if committed else "failed")
         if not committed:
             self.out.saves_failed += 1
+            if fault is not None and fault.point == "save.retention":
+                self.out.silent.append(f"step {step}: a retention failure failed the save")
             return
         self.out.saves_committed += 1
         reconstruction = self.ckpt.reconstruction()
@@ -304,7 +318,7 @@ class _Run:
         restored, error = self._attempt(
             fault, lambda: self.ckpt.restore(target, discard_newer=True)
         )
-        self.out.events.append(("restore", target, restored if error is None else "failed"))
+        self._event("restore", target, restored if error is None else "failed")
         if error is not None:
             return
         if restored != target:
@@ -337,7 +351,7 @@ class _Run:
             model, self.directory, optimizer=opt, config=self.config, filesystem=self.fs
         ) as other:
             restored, error = self._attempt(None, lambda: other.restore(target))
-        self.out.events.append(("reshard", target, restored if error is None else error))
+        self._event("reshard", target, restored if error is None else error)
         # Whole tables: every rank's expected blocks and every rank's resharded blocks.
         expected_blocks = self.expected[target][0]
         mine = _live(model, opt, self.rank)["blocks"]
@@ -366,7 +380,7 @@ class _Run:
             _, error = self._attempt(fault, lambda: merge(self.ckpt.store, target))
         flags: list[Any] = [None, None]
         dist.all_gather_object(flags, error)
-        self.out.events.append(("merge", target, flags[0] or "ok"))
+        self._event("merge", target, flags[0] or "ok")
         self._op_restore((committed.index(target) + 0.5) / len(committed), None)
 
 
@@ -432,7 +446,8 @@ def run_schedules(
 
 
 def disagreements(per_rank: list[list[Outcome]]) -> list[str]:
-    """Operations whose outcome differs between ranks."""
+    """Operations whose outcome differs between ranks, and operations that failed although no
+    rank injected a fault into them."""
     problems = []
     for outcomes in zip(*per_rank, strict=True):
         first = outcomes[0]
@@ -441,4 +456,8 @@ def disagreements(per_rank: list[list[Outcome]]) -> list[str]:
                 problems.append(
                     f"seed {first.seed}: ranks disagree: {first.events} vs {other.events}"
                 )
+        for i, event in enumerate(first.events):
+            failed = event[2] not in ("committed", "ok") and not isinstance(event[2], int)
+            if failed and not any(o.fired[i] for o in outcomes if i < len(o.fired)):
+                problems.append(f"seed {first.seed}: {event} failed with no fault injected")
     return problems
