@@ -9,6 +9,8 @@ rest of embckpt never branches on it.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -34,28 +36,24 @@ class Collective:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with _failing_as_rank_error("all_gather"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        with _failing_as_rank_error("broadcast"):
+            dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def all_sum(self, values: list[float]) -> list[float]:
         if self.group is None:
             return values
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, group=self.group)
-        return tensor.tolist()
-
-    def all_max(self, values: list[float]) -> list[float]:
-        if self.group is None:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        with _failing_as_rank_error("all_reduce"):
+            dist.all_reduce(tensor, group=self.group)
         return tensor.tolist()
 
     def gather_checked(
@@ -90,6 +88,18 @@ class Collective:
         raises ``peer_error`` too, so a caller sees one kind of error whatever went wrong.
         """
         self.gather_checked(None, error, what, peer_error)
+
+
+@contextmanager
+def _failing_as_rank_error(what: str) -> Iterator[None]:
+    """A collective that fails (a peer died, the group's timeout passed) raises
+    :class:`RankError`, so callers see an embckpt error whatever went wrong."""
+    try:
+        yield
+    except RankError:
+        raise
+    except RuntimeError as exc:
+        raise RankError(f"checkpoint {what} across ranks failed: {exc}") from exc
 
 
 def _describe(error: BaseException) -> str:

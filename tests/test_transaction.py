@@ -216,3 +216,34 @@ def test_interval_and_clock_come_back_as_they_were() -> None:
     # Clean iterations of 1 s, 1 s and, timed since, 0.5 s; the busy one as before.
     assert again.clean_iter_s == (1.0 + 1.0 + 0.5) / 3
     assert again.busy_extra_s == 1.5 - again.clean_iter_s
+
+
+def _peer_dies(rank: int, world_size: int, root: str) -> None:
+    import time
+
+    from embckpt import CheckpointConfig, Checkpointer, failpoints
+
+    model, opt = tm.build(world_size, seed=0)
+    ckpt = Checkpointer(model, f"{root}/ckpt", optimizer=opt, config=CheckpointConfig())
+    tm.train_step(model, opt, 1, rank)
+    ckpt.save(1).wait()
+    tm.train_step(model, opt, 2, rank)
+    if rank == 1:
+        failpoints.arm("save.encode", action=lambda: os._exit(3))
+    started = time.perf_counter()
+    error = tm.raised(lambda: ckpt.save(2).wait())
+    with open(f"{root}/rank{rank}.txt", "w") as out:
+        out.write(f"{time.perf_counter() - started:.1f}\n{error}")
+
+
+def test_a_rank_that_dies_mid_save_fails_the_save_on_the_others() -> None:
+    from embckpt.examples.launcher import RankFailed
+
+    with tempfile.TemporaryDirectory() as root:
+        try:
+            run_ranks(_peer_dies, 2, root, timeout_s=120)
+        except RankFailed as exc:  # rank 1 exits on purpose
+            assert "(1, 3)" in str(exc), str(exc)
+        seconds, error = open(f"{root}/rank0.txt").read().split("\n", 1)
+    assert error.startswith("SaveRankError") and "step 2" in error, error
+    assert float(seconds) < 60, seconds

@@ -46,6 +46,7 @@ from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
     ModelMismatchError,
+    RankError,
     RestoreError,
     RestoreRankError,
 )
@@ -162,7 +163,10 @@ def restore_checkpoint(
                     f"no committed checkpoint of step {step} in {store.uri} (committed: {known})",
                     None,
                 )
-    target, missing, unlisted = comm.broadcast(choice)
+    try:
+        target, missing, unlisted = comm.broadcast(choice)
+    except RankError as exc:
+        raise RestoreRankError(f"choosing the step to restore: {exc}") from exc
     if unlisted is not None:
         raise RestoreError(f"rank 0: {unlisted}")
     if missing is not None:

@@ -106,7 +106,9 @@ class Persister:
             comm.check(as_save_error(error, step, comm.rank), f"saving step {step}", SaveRankError)
             phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
             phases["commit"] += time.perf_counter() - agreeing
-            gathered = comm.all_gather((snapshot.entries, phases))
+            gathered = comm.gather_checked(
+                (snapshot.entries, phases), None, f"saving step {step}", SaveRankError
+            )
             entries = [e for rank_entries, _ in gathered for e in rank_entries]
             manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
             error = None

@@ -37,7 +37,7 @@ import torch
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
 from embckpt.config import codec_for
-from embckpt.errors import SaveError, SaveRankError
+from embckpt.errors import RankError, SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores
 from embckpt.read.restore import RestoreResult
@@ -178,7 +178,10 @@ class Saver:
     ) -> tuple[Decision, dict[View, float]]:
         ctx, state = self.ctx, self.state
         comm = ctx.comm
-        problem = comm.broadcast(self._prepare_step_folder(step) if comm.rank == 0 else None)
+        try:
+            problem = comm.broadcast(self._prepare_step_folder(step) if comm.rank == 0 else None)
+        except RankError as exc:
+            raise SaveRankError(f"step {step}: {exc}") from exc
         if problem is not None:
             raise SaveError(problem)
         state.tracker.fold()  # collective for replicated tables: before anything may raise
