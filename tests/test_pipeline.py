@@ -108,8 +108,11 @@ def _interval_backs_off(rank: int, world_size: int, root: str) -> dict:
     from embckpt import CheckpointConfig, Checkpointer
 
     out = {}
-    for name, delay in (("fast", 0.0), ("slow", 0.03)):
-        config = CheckpointConfig(policy="one_shot", interval=2, stall_bound=0.05)
+    # Slow files make the next save wait for the persist (about 0.3 s): a 20% bound then asks
+    # for an interval near 75 iterations, while the fast run's cost of a few ms asks for ~10
+    # (wide margins, so that a loaded machine's noise does not decide the comparison).
+    for name, delay in (("fast", 0.0), ("slow", 0.1)):
+        config = CheckpointConfig(policy="one_shot", interval=2, stall_bound=0.2)
         model, opt = tm.build(world_size, seed=0)
         with Checkpointer(model, f"{root}/{name}", optimizer=opt, config=config) as ckpt:
             if delay:

@@ -48,8 +48,11 @@ from embckpt.tracking import RowTracker, View
 
 @dataclass
 class SaveState:
-    """Everything that outlives a save and that a save changes, owned by the ``Saver``; only
-    :class:`SaveTransaction` (and a restore, which resets it) writes it."""
+    """Everything that outlives a save and that a save changes, owned by the ``Saver``. A save
+    changes it only under a :class:`SaveTransaction`, which records how to undo each change;
+    ``maybe_save`` ticks the clock, and a restore resets the rest. Folding pending tracker bits
+    into the views (and marking rows a dense optimizer moved) is never undone: those rows did
+    change."""
 
     tracker: RowTracker
     reference: ReconstructedRows
