@@ -44,6 +44,113 @@ CONFIGS = {
 STEPS = 24
 
 
+class _SparseNN:
+    """TorchRec's TestSparseNN with one table of each sharding type (table-, row-, column-,
+    table-row-wise, data-parallel), fused row-wise Adagrad, batches from ``ModelInput``."""
+
+    KINDS = ("tw", "rw", "cw", "twrw", "dp")
+
+    def __init__(self, world_size: int) -> None:
+        from torchrec import EmbeddingBagConfig
+
+        self.world_size = world_size
+        self.tables = [
+            EmbeddingBagConfig(
+                name=f"table_{k}", embedding_dim=16, num_embeddings=400, feature_names=[f"f_{k}"]
+            )
+            for k in self.KINDS
+        ]
+
+    def build(self, seed: int) -> tuple[Any, Any]:
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec.distributed import DistributedModelParallel
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.sharding_plan import (
+            column_wise,
+            construct_module_sharding_plan,
+            data_parallel,
+            row_wise,
+            table_row_wise,
+            table_wise,
+        )
+        from torchrec.distributed.test_utils.test_model import TestSparseNN
+        from torchrec.distributed.types import ShardingPlan
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        torch.manual_seed(seed)
+        model = TestSparseNN(
+            tables=self.tables,
+            weighted_tables=[],
+            dense_device=torch.device("cpu"),
+            sparse_device=torch.device("meta"),
+        )
+        sharder = EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+        )
+        ranks = list(range(self.world_size))
+        generators = {
+            "tw": table_wise(rank=self.world_size - 1, compute_kernel="fused"),
+            "rw": row_wise(compute_kernel="fused"),
+            "cw": column_wise(ranks=ranks, compute_kernel="fused"),
+            "twrw": table_row_wise(host_index=0),
+            "dp": data_parallel(),
+        }
+        module_plan = construct_module_sharding_plan(
+            model.sparse.ebc,
+            {f"table_{k}": generators[k] for k in self.KINDS},
+            sharder=sharder,
+            local_size=self.world_size,
+            world_size=self.world_size,
+            device_type="cpu",
+        )
+        module_plan["table_twrw"].compute_kernel = "fused"
+        dmp = DistributedModelParallel(
+            model,
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"sparse.ebc": module_plan}),
+            sharders=[sharder],
+        )
+        dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+        return dmp, torch.optim.Adagrad(list(dense.values()), lr=0.05)
+
+    def train_step(self, model: Any, opt: Any, step: int, rank: int) -> None:
+        from torchrec.distributed.test_utils.test_model import ModelInput
+
+        _, local = ModelInput.generate(
+            batch_size=16,
+            world_size=self.world_size,
+            num_float_features=10,
+            tables=self.tables,
+            weighted_tables=[],
+            random_seed=step * 1009,
+        )
+        opt.zero_grad()
+        loss, _ = model(local[rank])
+        loss.backward()
+        opt.step()
+
+
+class _ToyDLRM:
+    """The tests' toy DLRM (``tests/toy_model.py``): one table of each sharding type."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def build(self, seed: int) -> tuple[Any, Any]:
+        import toy_model as tm
+
+        return tm.build(self.world_size, seed=seed)
+
+    def train_step(self, model: Any, opt: Any, step: int, rank: int) -> None:
+        import toy_model as tm
+
+        tm.train_step(model, opt, step, rank, hot=100)
+
+
+MODELS = {"testsparsenn": _SparseNN, "toy": _ToyDLRM}
+
+
 def _config(settings: dict[str, Any], retries: int | None) -> Any:
     from embckpt import CheckpointConfig
 
@@ -80,15 +187,22 @@ def _live(model: Any, rank: int) -> dict:
 
 
 def _probe_filesystem(
-    rank: int, world_size: int, root: str, settings: dict, rate: float, seed: int, retries: Any
+    rank: int,
+    world_size: int,
+    root: str,
+    model_name: str,
+    settings: dict,
+    rate: float,
+    seed: int,
+    retries: Any,
 ) -> dict:
     import pyarrow.fs as pafs
-    import toy_model as tm
     from faultfs import FaultPlan, FaultyHandler
 
     from embckpt import Checkpointer, EmbckptError
 
-    model, opt = tm.build(world_size, seed=0)
+    job = MODELS[model_name](world_size)
+    model, opt = job.build(seed=0)
     handler = FaultyHandler(FaultPlan(write_probability=rate, seed=seed * 10 + rank))
     fs = pafs.PyFileSystem(handler)
     config = _config(settings, retries)
@@ -96,7 +210,7 @@ def _probe_filesystem(
     failed = []
     with Checkpointer(model, f"{root}/run", optimizer=opt, config=config, filesystem=fs) as ckpt:
         for step in range(1, STEPS + 1):
-            tm.train_step(model, opt, step, rank, hot=100)
+            job.train_step(model, opt, step, rank)
             if step % 2:
                 continue
             try:
@@ -105,7 +219,7 @@ def _probe_filesystem(
             except EmbckptError:
                 failed.append(step)
         committed = ckpt.store.committed_steps()
-    fresh, fresh_opt = tm.build(world_size, seed=7)
+    fresh, fresh_opt = job.build(seed=7)
     worst: dict[str, float] = {}
     with Checkpointer(fresh, f"{root}/run", optimizer=fresh_opt, config=config) as reader:
         for step in committed:
@@ -121,12 +235,11 @@ def _probe_filesystem(
     }
 
 
-def _probe_in_process(rank: int, world_size: int, root: str, fail: bool) -> dict:
-    import toy_model as tm
-
+def _probe_in_process(rank: int, world_size: int, root: str, model_name: str, fail: bool) -> dict:
     from embckpt import Checkpointer, EmbckptError
 
-    model, opt = tm.build(world_size, seed=0)
+    job = MODELS[model_name](world_size)
+    model, opt = job.build(seed=0)
     config = _config(CONFIGS["incremental adaptive4 full_every=6"], None)
     outcome = []
     with Checkpointer(model, f"{root}/run", optimizer=opt, config=config) as ckpt:
@@ -139,14 +252,14 @@ def _probe_in_process(rank: int, world_size: int, root: str, fail: bool) -> dict
 
         ckpt.store.write_file = failing
         for step in (1, 2, 3):
-            tm.train_step(model, opt, step, rank, hot=100)
+            job.train_step(model, opt, step, rank)
             try:
                 ckpt.save(step).wait()
                 outcome.append("committed")
             except EmbckptError:
                 outcome.append("failed")
         live = _live(model, rank)
-    fresh, fresh_opt = tm.build(world_size, seed=7)
+    fresh, fresh_opt = job.build(seed=7)
     with Checkpointer(fresh, f"{root}/run", optimizer=fresh_opt, config=config) as reader:
         reader.restore(3)
         by_table = _table_rel_l2(fresh, live, rank)
@@ -160,6 +273,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="after")
+    parser.add_argument("--model", choices=sorted(MODELS), default="testsparsenn")
     parser.add_argument("--fault-rate", type=float, default=0.1)
     parser.add_argument("--seeds", type=int, default=3, help="faulty runs per config")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -170,7 +284,11 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    result: dict[str, Any] = {"embckpt": str(package), "commit": commit or None}
+    result: dict[str, Any] = {
+        "embckpt": str(package),
+        "commit": commit or None,
+        "model": args.model,
+    }
     probe1: dict[str, Any] = {}
     for name, settings in CONFIGS.items():
         runs: dict[str, Any] = {}
@@ -182,7 +300,15 @@ def main() -> None:
         for label, rate, seed, retries in variants:
             with tempfile.TemporaryDirectory() as root:
                 per_rank = run_ranks(
-                    _probe_filesystem, 2, root, settings, rate, seed, retries, timeout_s=600
+                    _probe_filesystem,
+                    2,
+                    root,
+                    args.model,
+                    settings,
+                    rate,
+                    seed,
+                    retries,
+                    timeout_s=600,
                 )
             runs[label] = {
                 **per_rank[0],
@@ -199,13 +325,15 @@ def main() -> None:
     probe2 = {}
     for label, fail in (("clean", False), ("dense file of step 2 fails", True)):
         with tempfile.TemporaryDirectory() as root:
-            probe2[label] = run_ranks(_probe_in_process, 2, root, fail, timeout_s=600)[0]
+            probe2[label] = run_ranks(_probe_in_process, 2, root, args.model, fail, timeout_s=600)[
+                0
+            ]
         print("in-process", label, probe2[label], flush=True)
     result["probe_in_process"] = probe2
     result["machine"] = machine()
     result["command"] = " ".join(["python", *sys.argv])
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    existing[args.label] = result
+    existing[f"{args.label} ({args.model})"] = result
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(existing, indent=2) + "\n")
     print(f"wrote {args.label} to {args.out}")
