@@ -1,7 +1,8 @@
 """The two probes of "a restore never lies", as a user meets them through the public API.
 
-2 gloo ranks train the toy DLRM of the tests (one table of each sharding type: table-, row-,
-column-, table-row-wise and data-parallel) and checkpoint it:
+2 gloo ranks train TorchRec's TestSparseNN (``--model toy``: the tests' toy DLRM), with one
+table of each sharding type (table-, row-, column-, table-row-wise and data-parallel), and
+checkpoint it:
 
 1. ``filesystem``: a ``pyarrow.fs.PyFileSystem`` whose writes fail now and then with an
    ``OSError`` (``503 Slow Down``; seeded, per rank, ``--fault-rate`` of write calls),
@@ -13,7 +14,7 @@ column-, table-row-wise and data-parallel) and checkpoint it:
 
 Runs against any embckpt on ``PYTHONPATH`` that has the public API (to measure a version from
 before the fix: ``PYTHONPATH=<old checkout> python benchmarks/fault_probe.py``); writes
-``benchmarks/results/fault_probe.json`` (``--label`` names the run inside it).
+``benchmarks/results/fault_probe.json`` (under ``"<label> (<model>)"``).
 """
 
 from __future__ import annotations
