@@ -65,7 +65,7 @@ def _touched_since_last(ckpt: Any) -> np.ndarray:
     from embckpt.tracking import View
 
     ckpt.tracker.fold()
-    ckpt._mark_moving_replicated_tables()
+    ckpt._saver.mark_moving_rows()
     bitmaps = []
     for shard in ckpt.sharded.writer_shards():
         bits = np.zeros(shard.num_rows, dtype=bool)

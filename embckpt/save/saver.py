@@ -168,10 +168,8 @@ class Saver:
         if inflight is None:
             return
         inflight.settle()
-        if inflight.observed:
-            return
-        inflight.observed = True
-        inflight._future.result()
+        if not inflight.observed:
+            inflight.wait()  # raises its failure, once
 
     def _decide(
         self, step: int, transaction: SaveTransaction
