@@ -64,17 +64,10 @@ class _SparseNN:
 
     def build(self, seed: int) -> tuple[Any, Any]:
         import torch
+        import toy_model as tm
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.sharding_plan import (
-            column_wise,
-            construct_module_sharding_plan,
-            data_parallel,
-            row_wise,
-            table_row_wise,
-            table_wise,
-        )
         from torchrec.distributed.test_utils.test_model import TestSparseNN
         from torchrec.distributed.types import ShardingPlan
         from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -89,23 +82,8 @@ class _SparseNN:
         sharder = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
         )
-        ranks = list(range(self.world_size))
-        generators = {
-            "tw": table_wise(rank=self.world_size - 1, compute_kernel="fused"),
-            "rw": row_wise(compute_kernel="fused"),
-            "cw": column_wise(ranks=ranks, compute_kernel="fused"),
-            "twrw": table_row_wise(host_index=0),
-            "dp": data_parallel(),
-        }
-        module_plan = construct_module_sharding_plan(
-            model.sparse.ebc,
-            {f"table_{k}": generators[k] for k in self.KINDS},
-            sharder=sharder,
-            local_size=self.world_size,
-            world_size=self.world_size,
-            device_type="cpu",
-        )
-        module_plan["table_twrw"].compute_kernel = "fused"
+        kinds = {f"table_{k}": k for k in self.KINDS}
+        module_plan = tm.plan_tables(model.sparse.ebc, kinds, sharder, self.world_size)
         dmp = DistributedModelParallel(
             model,
             device=torch.device("cpu"),

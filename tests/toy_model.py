@@ -63,6 +63,22 @@ def build(
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": optimizer, "learning_rate": 0.1}
     )
+    module_plan = plan_tables(
+        model.sparse_arch.embedding_bag_collection,
+        {f"t_{k}": (sharding or {}).get(k, k) for k in kinds},
+        sharder,
+        world_size,
+    )
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = torch.optim.Adagrad(list(dense_params.values()), lr=0.05)
+    return dmp, dense_opt
+
+
+def plan_tables(ebc: Any, kinds: dict[str, str], sharder: Any, world_size: int) -> Any:
+    """The module sharding plan of ``ebc`` that shards each table as its kind says: ``tw``
+    (on the last rank), ``rw``, ``cw`` (over every rank), ``twrw`` or ``dp``; fused kernels."""
     generators = {
         "tw": table_wise(rank=world_size - 1, compute_kernel="fused"),
         "rw": row_wise(compute_kernel="fused"),
@@ -71,21 +87,17 @@ def build(
         "dp": data_parallel(),
     }
     module_plan = construct_module_sharding_plan(
-        model.sparse_arch.embedding_bag_collection,
-        {f"t_{k}": generators[(sharding or {}).get(k, k)] for k in kinds},
+        ebc,
+        {name: generators[kind] for name, kind in kinds.items()},
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
         device_type="cpu",
     )
-    for k in kinds:
-        if (sharding or {}).get(k, k) == "twrw":
-            module_plan[f"t_{k}"].compute_kernel = "fused"
-    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan})
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_opt = torch.optim.Adagrad(list(dense_params.values()), lr=0.05)
-    return dmp, dense_opt
+    for name, kind in kinds.items():
+        if kind == "twrw":
+            module_plan[name].compute_kernel = "fused"
+    return module_plan
 
 
 def batch(
