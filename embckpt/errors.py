@@ -62,6 +62,16 @@ class CodecError(EmbckptError, ValueError):
     that do not match what the codec's metadata describes."""
 
 
+def as_error(kind: type[EmbckptError], error: BaseException, context: str) -> BaseException:
+    """``error`` as a ``kind``: as it is if it already is one (it names its file or table),
+    else a ``kind`` saying ``context`` (the step and rank at fault), caused by ``error``."""
+    if isinstance(error, kind):
+        return error
+    wrapped = kind(f"{context}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 class MissingExtraError(EmbckptError, ImportError):
     """An optional part of embckpt needs a package that is not installed."""
 

@@ -215,6 +215,8 @@ class _Run:
         )
         self.ckpt.track_reconstruction()
         self.out = Outcome(schedule.seed, f"{schedule.codec}, {schedule.policy}")
+        self._point_armed = False  # a failpoint armed on this rank for the current operation
+        self._fired_now = 0  # faults fired here since the last recorded operation
         self.step = 0
         self.expected: dict[int, tuple[dict, dict]] = {}
 
@@ -258,9 +260,6 @@ class _Run:
         failpoints.disarm()
         self.handler.reset(FaultPlan())
         self._point_armed = False
-
-    _point_armed = False
-    _fired_now = 0
 
     def _event(self, *event: Any) -> None:
         """Records an operation's outcome and the faults this rank injected into it."""

@@ -49,6 +49,7 @@ from embckpt.errors import (
     RankError,
     RestoreError,
     RestoreRankError,
+    as_error,
 )
 from embckpt.read.reader import (
     ReadCost,
@@ -196,7 +197,7 @@ def restore_checkpoint(
         failpoints.hit("restore.side_state")
         side = read_side_state(into, chain[-1], cost)
     except Exception as exc:  # gathered below so that every rank raises
-        error = _as_restore_error(exc, target, comm.rank, "reading")
+        error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
     try:
         comm.check(error, what, RestoreRankError)
     except BaseException:
@@ -215,7 +216,9 @@ def restore_checkpoint(
         failpoints.hit("restore.apply")
         applied = apply_staged(staged, threads, clock)
     except Exception as exc:
-        error = _as_restore_error(exc, target, comm.rank, "applying the rows")
+        error = as_error(
+            RestoreError, exc, f"step {target}: rank {comm.rank}: applying the rows failed"
+        )
         release([file for files in staged for file in files])
     comm.check(error, what, RestoreRankError)
     for reason in side.skipped:
@@ -239,16 +242,6 @@ def restore_checkpoint(
         cost.bytes_needed / 1e6,
     )
     return result
-
-
-def _as_restore_error(error: Exception, step: int, rank: int, what: str) -> Exception:
-    """``error`` as a :class:`RestoreError` naming the step and rank; embckpt's own errors
-    (they name the file or table) as they are."""
-    if isinstance(error, RestoreError):
-        return error
-    wrapped = RestoreError(f"step {step}: rank {rank}: {what} failed: {error}")
-    wrapped.__cause__ = error
-    return wrapped
 
 
 def _tty() -> bool:

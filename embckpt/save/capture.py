@@ -51,10 +51,6 @@ class WriterReconstruction:
     def __init__(self) -> None:
         self._blocks: dict[str, dict[str, torch.Tensor]] | None = None
 
-    @property
-    def known(self) -> bool:
-        return self._blocks is not None
-
     def reset_from_live(self, shards: Iterable[TableShard]) -> None:
         """After a restore: the live rows are the restored step's."""
         blocks: dict[str, dict[str, torch.Tensor]] = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
-from embckpt.errors import SaveError, SaveRankError
+from embckpt.errors import SaveError, SaveRankError, as_error
 from embckpt.policy import Decision, Kind
 from embckpt.save.context import SaveContext
 from embckpt.save.snapshot import StagedUnit, Unit
@@ -244,11 +244,9 @@ def as_save_error(
 ) -> BaseException | None:
     """``error`` as a :class:`SaveError` naming the step and rank (its message names the
     file where the failure had one)."""
-    if error is None or isinstance(error, SaveError):
-        return error
-    wrapped = SaveError(f"step {step}: rank {rank}: {what} failed: {error}")
-    wrapped.__cause__ = error
-    return wrapped
+    if error is None:
+        return None
+    return as_error(SaveError, error, f"step {step}: rank {rank}: {what} failed")
 
 
 def chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:

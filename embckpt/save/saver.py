@@ -359,14 +359,12 @@ class Saver:
         """The model now holds ``result``'s step (None: the directory was empty): the next
         checkpoint continues that chain, and the restored rows its diffs changed count as
         changed since the full. The reference is gone until the next full."""
+        if result is None:
+            self.restore_failed()  # nothing to continue from, as after a failed restore
+            return
         state = self.state
         state.reference.clear()
         state.next_step = None
-        if result is None:
-            state.head = None
-            if state.reconstruction is not None:
-                state.reconstruction.forget()
-            return
         state.tracker.reset()
         for key, local_rows in result.diff_rows:
             state.tracker.mark(key, local_rows, View.SINCE_FULL)
@@ -376,8 +374,8 @@ class Saver:
             state.reconstruction.reset_from_live(self.ctx.sharded.writer_shards())
 
     def restore_failed(self) -> None:
-        """A restore raised: the model may be partly loaded, so no chain describes it any more;
-        the next save is a full."""
+        """No chain describes the model (a restore raised and may have loaded part of it, or
+        the directory was empty): the next save is a full."""
         state = self.state
         state.reference.clear()
         state.head = None

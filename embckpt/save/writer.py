@@ -46,7 +46,8 @@ class WriteEdits:
 @dataclass(frozen=True)
 class _Part:
     """What one file of a unit holds: ``picked`` rows of the unit (None: all), encoded;
-    ``restored``: the fp32 rows a restore gives (known for delta codecs, None otherwise)."""
+    ``restored``: the fp32 rows a restore gives, when decoded (a diff the chain goes on from,
+    or the capture)."""
 
     codec: Codec
     encoded: EncodedRows
@@ -135,23 +136,25 @@ class RowFileWriter:
         # The chain goes on from this diff (edits.reference is set): incremental diffs always,
         # one-shot ones when incremental diffs may follow (the policy mixes them).
         edit = edits.reference
+        # What the rows restore to is decoded only when the chain goes on or it is captured.
+        rebuild = edit is not None or capture
         if not isinstance(codec, DeltaCodec):
             encoded = codec.encode(block.weights.float().cpu() - reference)
-            restored = reference + codec.decode(encoded, cols)
-            if edit is not None:
+            restored = reference + codec.decode(encoded, cols) if rebuild else None
+            if edit is not None and restored is not None:
                 edit.replace(key, rows, restored)
             return [_Part(codec, encoded, restored=restored)]
         split = codec.encode_split(block.weights, reference)
         parts = []
         if len(split.delta_rows):
             at = torch.from_numpy(split.delta_rows)
-            rebuilt = reference[at] + codec.decode(split.delta, cols)
-            if edit is not None:
+            rebuilt = reference[at] + codec.decode(split.delta, cols) if rebuild else None
+            if edit is not None and rebuilt is not None:
                 edit.replace(key, rows[at], rebuilt)
             parts.append(_Part(codec, split.delta, split.delta_rows, restored=rebuilt))
         if split.whole is not None:
-            whole = codec.whole.decode(split.whole, cols)
-            if edit is not None:
+            whole = _decoded(codec.whole, split.whole, cols, rebuild)
+            if edit is not None and whole is not None:
                 edit.replace(key, rows[torch.from_numpy(split.whole_rows)], whole)
             parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole", whole))
         return parts
