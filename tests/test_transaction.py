@@ -247,3 +247,33 @@ def test_a_rank_that_dies_mid_save_fails_the_save_on_the_others() -> None:
         seconds, error = open(f"{root}/rank0.txt").read().split("\n", 1)
     assert error.startswith("SaveRankError") and "step 2" in error, error
     assert float(seconds) < 60, seconds
+
+
+def _freed_without_gc(rank: int, world_size: int, root: str) -> list[bool]:
+    import gc
+    import weakref
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    model, opt = tm.build(world_size, seed=0)
+    gc.disable()  # what is left to the collector may be freed at exit, after its process group
+    try:
+        ckpt = Checkpointer(model, root, optimizer=opt, config=CheckpointConfig(pipeline="full"))
+        for step in (1, 2):
+            tm.train_step(model, opt, step, rank)
+            ckpt.save(step).wait()
+        ckpt.restore()
+        ckpt.close()
+        refs = [weakref.ref(x) for x in (ckpt, ckpt._saver, ckpt.comm, ckpt.writer)]
+        del ckpt
+        return [ref() is None for ref in refs]
+    finally:
+        gc.enable()
+
+
+def test_a_closed_checkpointer_is_freed_without_the_garbage_collector() -> None:
+    # A reference cycle kept the checkpointer's gloo group alive until interpreter exit, where
+    # destroying it aborted a torchrun job ("terminate called without an active exception").
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_freed_without_gc, 2, root, timeout_s=120)
+    assert results == [[True] * 4, [True] * 4], results

@@ -21,6 +21,7 @@ from embckpt.codecs import Codec
 from embckpt.errors import SaveError, SaveRankError, as_error
 from embckpt.policy import Decision, Kind
 from embckpt.save.context import SaveContext
+from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
@@ -68,7 +69,7 @@ class Persister:
         state: read only here: the chain head the manifest continues.
         writer: the rows-file writer.
         stage: copies a piece into the staging arena (the saver's).
-        release_guard: lets weight updates go on once the last piece is staged.
+        guard: holds weight updates back until the last piece is staged (``pipeline="full"``).
     """
 
     def __init__(
@@ -77,13 +78,17 @@ class Persister:
         state: SaveState,
         writer: RowFileWriter,
         stage: Callable[[list[Unit]], list[StagedUnit]],
-        release_guard: Callable[[], None],
+        guard: UpdateGuard | None,
     ) -> None:
         self.ctx = context
         self.state = state
         self.writer = writer
         self._stage_piece = stage
-        self._release_guard = release_guard
+        self._guard = guard
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release()
 
     def persist(self, snapshot: Snapshot) -> Manifest:
         """Writes, agrees, commits (persist thread). Changes no saver state: the outcome is

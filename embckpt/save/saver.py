@@ -45,7 +45,7 @@ from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
 from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
-from embckpt.save.snapshot import StagedUnit, Unit, plan_pieces, plan_units, stage
+from embckpt.save.snapshot import Stager, Unit, plan_pieces, plan_units
 from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
@@ -76,8 +76,10 @@ class Saver:
         self.follow_expected_restores()  # a codec without bits fails here, not at a save
         shards = context.sharded.shards
         device = shards[0].weight.device if shards else torch.device("cpu")
-        self._arena = StagingArena(context.config.staging_budget_bytes, device)
-        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stage_piece = Stager(
+            StagingArena(context.config.staging_budget_bytes, device),
+            torch.cuda.Stream(device) if device.type == "cuda" else None,
+        )
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._inflight: PendingCheckpoint | None = None
         self._guard = (
@@ -86,7 +88,9 @@ class Saver:
             else None
         )
         self._blocked_since_tick = 0.0
-        self._persister = Persister(context, state, writer, self._stage_piece, self._release_guard)
+        # No reference cycle back to the saver: it (and the process group its context holds)
+        # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
+        self._persister = Persister(context, state, writer, self._stage_piece, self._guard)
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -346,13 +350,6 @@ class Saver:
     def _release_guard(self) -> None:
         if self._guard is not None:
             self._guard.release()
-
-    def _stage_piece(self, piece: list[Unit]) -> list[StagedUnit]:
-        failpoints.hit("save.stage")
-        staged = stage(piece, self._arena, self._side_stream)
-        if self._side_stream is not None:
-            self._side_stream.synchronize()
-        return staged
 
     # -- after a restore ---------------------------------------------------------------------
     def restored(self, result: RestoreResult | None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from embckpt import failpoints
 from embckpt.save.staging import StagingArena
 from embckpt.sharding import TableShard
 
@@ -122,6 +123,22 @@ def stage(piece: list[Unit], arena: StagingArena, stream: Any | None = None) -> 
             )
         )
     return staged
+
+
+class Stager:
+    """Copies pieces into the staging arena, on a side stream for GPU models (shared by the
+    saver and its persist: a plain object, so neither holds the other)."""
+
+    def __init__(self, arena: StagingArena, stream: Any | None = None) -> None:
+        self.arena = arena
+        self.stream = stream
+
+    def __call__(self, piece: list[Unit]) -> list[StagedUnit]:
+        failpoints.hit("save.stage")
+        staged = stage(piece, self.arena, self.stream)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return staged
 
 
 def _copy_rows(live: torch.Tensor, unit: Unit, out: torch.Tensor, stream: Any | None) -> None:
