@@ -31,7 +31,7 @@ from common import write_result  # noqa: E402
 
 from embckpt.codecs import make_codec  # noqa: E402
 from embckpt.storage import checksum  # noqa: E402
-from embckpt.storage.shardfile import encode_file, index_file  # noqa: E402
+from embckpt.storage.rowfile_write import encode_file, index_file  # noqa: E402
 
 
 def _best(fn: Any, reps: int) -> tuple[float, float]:

@@ -46,7 +46,8 @@ from codec_roundtrip import encoded_bytes_per_row  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 
 from embckpt.codecs import make_codec  # noqa: E402
-from embckpt.storage.shardfile import decode_file, encode_file  # noqa: E402
+from embckpt.storage.rowfile_read import decode_file  # noqa: E402
+from embckpt.storage.rowfile_write import encode_file  # noqa: E402
 
 STAGES = ("none", "huffman", "zstd", "lz4")
 BITS = (2, 3, 4, 8)

@@ -31,7 +31,8 @@ from common import write_result  # noqa: E402
 
 from embckpt.codecs import make_codec  # noqa: E402
 from embckpt.codecs.base import EncodedRows, fixed_binary_column  # noqa: E402
-from embckpt.storage.shardfile import decode_file, encode_file  # noqa: E402
+from embckpt.storage.rowfile_read import decode_file  # noqa: E402
+from embckpt.storage.rowfile_write import encode_file  # noqa: E402
 
 ROW_GROUP = 65536
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}

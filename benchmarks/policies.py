@@ -122,7 +122,7 @@ def _worker(
 
     from embckpt import Checkpointer
     from embckpt.examples.demo import load_dataset
-    from embckpt.storage.fs import step_dir_name
+    from embckpt.storage.layout import step_dir_name
 
     dataset = load_dataset(cfg)
     out: dict[str, Any] = {"runs": {}, "union_counts": {}, "rel_l2": {}}

@@ -23,8 +23,8 @@ from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.interval import AdaptiveInterval, IterationClock
 from embckpt.policy import make_policy
-from embckpt.read.reader import default_threads
 from embckpt.read.restore import RestoreResult, restore_checkpoint
+from embckpt.read.stage import default_threads
 from embckpt.read.target import RestoreTarget
 from embckpt.save.capture import WriterReconstruction
 from embckpt.save.context import SaveContext

@@ -345,7 +345,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
-    from embckpt.read.restore import describe_restore
+    from embckpt.cli_restore import describe_restore
 
     directory = _directory(args)
     empty = _empty(args, _store(directory), directory)

@@ -139,10 +139,11 @@ class CheckpointConfig:
         make_policy(self)
         for name in (self.optimizer_codec, self.base_codec):
             make_codec(name)
-        if make_codec(self.optimizer_codec).delta:
+        if make_codec(self.optimizer_codec).additive:  # the one place such codecs are refused
             raise ConfigError(
-                f"optimizer_codec {self.optimizer_codec!r} is a delta codec: optimizer state "
-                "is restored as written, never added to"
+                f"optimizer_codec {self.optimizer_codec!r} is additive (it encodes changes to "
+                "add onto a reference): optimizer state is restored as written, never added "
+                "to; use a lossless codec or 'log8'"
             )
         if self.expected_restores is None:
             codec_for(self)

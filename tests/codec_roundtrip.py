@@ -1,7 +1,7 @@
 """The shared round trip every codec test (and any test of a new codec) goes through.
 
 ``round_trip`` encodes rows, writes them into a real Parquet row file with
-``storage.shardfile.encode_file``, reads back a row range with ``decode_file``, rebuilds the
+``storage.rowfile_write.encode_file``, reads back a row range with ``decode_file``, rebuilds the
 codec from the file's metadata alone (as a restore does) and decodes. It checks what must hold
 for every codec: one Parquet row per embedding row, the decoded shape, float32 output for lossy
 codecs and the input dtype for lossless ones.
@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from embckpt.codecs.base import Codec, EncodedRows, codec_from_config
-from embckpt.storage.shardfile import decode_file, encode_file
+from embckpt.storage.rowfile_read import decode_file
+from embckpt.storage.rowfile_write import encode_file
 
 
 def round_trip(
@@ -50,7 +51,7 @@ def round_trip(
     )
     block = decode_file(data, "round_trip.parquet", lo, hi)
     assert list(block.rows) == list(range(lo, min(hi, n)))
-    reader = codec_from_config(block.metadata["codec"])
+    reader = codec_from_config(block.header["codec"])
     decoded = reader.decode(block.encoded, cols)
     assert decoded.device.type == "cpu"
     assert tuple(decoded.shape) == (len(block.rows), cols)

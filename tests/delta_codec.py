@@ -19,7 +19,7 @@ class AddedRaw(Codec):
     """Stores rows as they are, but declares itself a delta codec: a reader must add them."""
 
     codec_id = "test_delta"
-    delta = True
+    additive = True
 
     def encode(self, rows: torch.Tensor) -> EncodedRows:
         data = rows.float().contiguous().view(torch.uint8).numpy()

@@ -55,7 +55,7 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
                 reference = {
                     s.key: ckpt.writer.reference.rows(s.key, torch.arange(s.num_rows))
                     for s in ckpt.sharded.writer_shards()
-                    if ckpt.codec.delta and policy == "incremental"
+                    if ckpt.codec.additive and policy == "incremental"
                 }
             expected = tm.snapshot_state(model, opt, rank)
             fresh, fresh_opt = tm.build(world_size, seed=7)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from embckpt.codecs import codec_from_config
-from embckpt.storage.shardfile import decode_file
+from embckpt.storage.rowfile_read import decode_file
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = [
@@ -35,11 +35,11 @@ def test_golden_file_decodes(folder: str, name: str, spec: dict) -> None:
     path = GOLDEN / folder / f"{name}.parquet"
     expected = np.load(GOLDEN / folder / f"{name}.npy")
     block = decode_file(pa.py_buffer(path.read_bytes()), str(path), 0, len(expected))
-    assert block.metadata["codec"] == spec["codec"]
-    decoded = codec_from_config(block.metadata["codec"]).decode(block.encoded, spec["cols"])
+    assert block.header["codec"] == spec["codec"]
+    decoded = codec_from_config(block.header["codec"]).decode(block.encoded, spec["cols"])
     scale = float(np.abs(expected).max()) or 1.0
     np.testing.assert_allclose(decoded.numpy(), expected, rtol=1e-6, atol=1e-6 * scale)
     # A row range decodes to the same rows.
     part = decode_file(pa.py_buffer(path.read_bytes()), str(path), 5, 17)
-    sub = codec_from_config(part.metadata["codec"]).decode(part.encoded, spec["cols"])
+    sub = codec_from_config(part.header["codec"]).decode(part.encoded, spec["cols"])
     np.testing.assert_allclose(sub.numpy(), expected[5:17], rtol=1e-6, atol=1e-6 * scale)

@@ -561,7 +561,7 @@ def test_unknown_version_and_bad_metadata_are_clear_errors() -> None:
 
 
 def test_delta_and_lossless_flags() -> None:
-    assert make_codec("exponent").delta and not make_codec("asymmetric").delta
+    assert make_codec("exponent").additive and not make_codec("asymmetric").additive
     assert make_codec("raw").lossless and not make_codec("fp16").lossless
     # Row-wise optimizer state stays lossless unless configured otherwise.
     assert make_codec(CheckpointConfig(codec="kmeans", bits=2).optimizer_codec).lossless
@@ -577,3 +577,25 @@ def test_parameter_bytes_per_row() -> None:
         encoded_bytes_per_row(make_codec("exponent", {"bits": 4, "entropy": "none"}).encode(x))
         == 32
     )
+
+
+def test_the_former_name_of_additive_still_works_with_a_warning() -> None:
+    from embckpt.codecs.base import Codec
+
+    with pytest.warns(DeprecationWarning, match="set `additive`"):
+
+        class OldStyle(Codec):  # a user's codec written against the former name
+            codec_id = "old_style"
+            delta = True
+
+            def encode(self, rows: torch.Tensor) -> EncodedRows:
+                raise NotImplementedError
+
+            def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
+                raise NotImplementedError
+
+    assert OldStyle.additive
+    with pytest.warns(DeprecationWarning, match="read `additive`"):
+        assert make_codec("exponent").delta
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        make_codec("raw").nothing  # noqa: B018

@@ -14,7 +14,8 @@ import toy_model as tm
 
 from embckpt import failpoints
 from embckpt.examples.launcher import RankFailed, run_ranks
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 
 SAVE_EVERY = 3
 STEPS = 18

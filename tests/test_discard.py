@@ -14,8 +14,8 @@ import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import DISCARDED_DIR
 from embckpt.storage.lock import LOCK_NAME
-from embckpt.storage.retention import DISCARDED_DIR
 from embckpt.storage.verify import verify
 
 

@@ -15,7 +15,8 @@ import torch
 
 from embckpt.read.export import reconstruct
 from embckpt.read.merge import merge
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.verify import verify
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1" / "raw_one_shot"

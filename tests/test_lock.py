@@ -18,6 +18,7 @@ import pytest
 
 from embckpt.examples.launcher import free_port
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import DISCARDED_DIR
 from embckpt.storage.lock import (
     LOCK_NAME,
     DirectoryLock,
@@ -25,7 +26,7 @@ from embckpt.storage.lock import (
     LeaseLostError,
     unlock,
 )
-from embckpt.storage.retention import DISCARDED_DIR, discard_newer
+from embckpt.storage.retention import discard_newer
 
 
 def _foreign(expires_in: float, run_id: str | None = None) -> dict[str, object]:

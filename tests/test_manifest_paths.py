@@ -22,7 +22,8 @@ from embckpt.examples.launcher import run_ranks
 from embckpt.read.export import reconstruct
 from embckpt.read.merge import merge
 from embckpt.report import build_report
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.paths import path_problem
 from embckpt.storage.verify import verify
 

@@ -22,7 +22,8 @@ from embckpt.examples.launcher import run_ranks
 from embckpt.read.export import reconstruct
 from embckpt.read.merge import merge
 from embckpt.storage.chain import read_chain
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.lock import LOCK_NAME, DirectoryLockedError
 from embckpt.storage.verify import verify
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import delta_codec  # noqa: F401  (registers test_delta)
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import toy_model as tm
@@ -382,10 +383,11 @@ def test_restore_onto_other_world_sizes_and_plans() -> None:
 def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
     from embckpt.codecs import make_codec
     from embckpt.errors import CheckpointCorruptError
-    from embckpt.storage.shardfile import encode_file, fetch_checked, index_file
+    from embckpt.storage.rowfile_read import open_ranges
+    from embckpt.storage.rowfile_write import encode_file, index_file
 
-    def read_indexed(fetch, size, index, groups, path, lo, hi):
-        checked = fetch_checked(fetch, size, index, groups, path)
+    def read_indexed(source, size, index, groups, path, lo, hi):
+        checked = open_ranges(source, path, size, index, groups)
         return checked, list(checked.read(lo, hi))
 
     codec = make_codec("raw")
@@ -406,12 +408,21 @@ def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
     assert groups == [3, 4, 5]
     fetched: list[tuple[int, int]] = []
 
-    def fetch_from(blob: bytes):
-        def fetch(offset: int, length: int) -> bytes:
-            fetched.append((offset, length))
-            return blob[offset : offset + length]
+    class fetch_from:  # noqa: N801 - a source that records the ranges fetched
+        def __init__(self, blob: bytes) -> None:
+            self._file = pa.BufferReader(blob)
+            self._at = 0
 
-        return fetch
+        def seek(self, position: int) -> int:
+            self._at = self._file.seek(position)
+            return self._at
+
+        def read_buffer(self, nbytes: int) -> pa.Buffer:
+            fetched.append((self._at, nbytes))
+            return self._file.read_buffer(nbytes)
+
+        def close(self) -> None:
+            self._file.close()
 
     good = data.to_pybytes()
     checked, blocks = read_indexed(fetch_from(good), len(good), index, groups, "f", lo, hi)
@@ -444,9 +455,10 @@ def _write_chain(root: Path, diff_codec: str) -> tuple[torch.Tensor, torch.Tenso
     diff of rows 2, 5, 7 encoded with ``diff_codec``."""
     from embckpt import dense
     from embckpt.codecs import make_codec
-    from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+    from embckpt.storage.fs import CheckpointStore
+    from embckpt.storage.layout import MANIFEST_NAME
     from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
-    from embckpt.storage.shardfile import encode_file, index_file
+    from embckpt.storage.rowfile_write import encode_file, index_file
 
     store = CheckpointStore(root, fsync=False)
     base = torch.randn(10, 4)

@@ -1,4 +1,5 @@
-"""Newest-first restore planning (embckpt/read/reader.py) equals replaying the chain in order.
+"""Newest-first restore planning (embckpt/read/plan.py, stage.py, apply.py) equals replaying
+the chain in order.
 
 Chains are written by hand: one table, every checkpoint under its own random writer plan (row
 and column blocks), diffs of random overlapping rows, row-wise states, raw and delta codecs.
@@ -16,13 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from embckpt.read.reader import apply_staged, plan_reads, read_into, stage
+from embckpt.read.apply import apply_staged, read_into
+from embckpt.read.plan import plan_reads
+from embckpt.read.stage import stage
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
-from embckpt.storage.shardfile import encode_file, index_file
+from embckpt.storage.rowfile_write import encode_file, index_file
 
 ROWS, COLS = 61, 8
 STATE = "momentum"
@@ -79,7 +83,9 @@ def _write_chain(
                 w.path, w.bytes, w.checksum, "rows", 0, "t", r0, c0, nr, nc, len(rows)
             )
             files.append(replace(entry, fqn="t.weight", index=index_file(data)))
-            written.append((position, r0, c0, nc, rows, weights.numpy(), states, type(codec).delta))
+            written.append(
+                (position, r0, c0, nc, rows, weights.numpy(), states, type(codec).additive)
+            )
         d = store.write_file(step, "dense/model.safetensors", empty_dense)
         files.append(FileEntry(d.path, d.bytes, d.checksum, "dense", 0))
         table = TableEntry(

@@ -15,7 +15,7 @@ import toy_model as tm
 from embckpt.codecs import make_codec
 from embckpt.config import CheckpointConfig
 from embckpt.examples.launcher import run_ranks
-from embckpt.storage import shardfile
+from embckpt.storage import rowfile_read, rowfile_write
 from embckpt.storage.phases import PHASES, PhaseClock
 
 
@@ -55,12 +55,12 @@ def test_encode_file_is_the_same_when_its_buffer_estimate_is_too_small(monkeypat
         metadata={"table": "t", "cols": d},
         row_group_rows=1024,
     )
-    fitted = shardfile.encode_file(**args)
-    monkeypatch.setattr(shardfile, "_SLACK_BYTES", 0)
-    monkeypatch.setattr(shardfile, "_SLACK_FRACTION", -0.5)  # half the columns: cannot fit
-    grown = shardfile.encode_file(**args)
+    fitted = rowfile_write.encode_file(**args)
+    monkeypatch.setattr(rowfile_write, "_SLACK_BYTES", 0)
+    monkeypatch.setattr(rowfile_write, "_SLACK_FRACTION", -0.5)  # half the columns: cannot fit
+    grown = rowfile_write.encode_file(**args)
     assert fitted.equals(grown)
-    back = shardfile.decode_file(grown, "f.parquet", 0, 3 * n)
+    back = rowfile_read.decode_file(grown, "f.parquet", 0, 3 * n)
     np.testing.assert_array_equal(back.rows, rows)
 
 

@@ -15,18 +15,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import delta_codec  # noqa: F401  (registers test_delta, an additive codec)
 from codec_roundtrip import encoded_bytes_per_row, round_trip
 
 from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
 from embckpt.codecs.log8 import max_relative_error
 from embckpt.errors import CodecError, ConfigError
-from embckpt.storage.shardfile import (
-    decode_file,
-    encode_file,
-    row_state_columns,
-    row_state_values,
-)
+from embckpt.storage.rowfile_read import decode_file, row_state_values
+from embckpt.storage.rowfile_write import encode_file, row_state_columns
 
 OCTAVES = 30.0
 
@@ -179,22 +176,25 @@ def test_log8_row_states_are_one_byte_columns_decoded_within_bound() -> None:
         plain, "state.momentum1"
     )
     block = decode_file(data, "f.parquet", 100, 250)  # a row range: rows 100..249
-    assert block.metadata["state_meta"]["momentum1"]["signed"] is False
-    values = row_state_values(block, codec_from_config(block.metadata["state_codec"]))
+    assert block.header["state_meta"]["momentum1"]["signed"] is False
+    values = row_state_values(block, codec_from_config(block.header["state_codec"]))
     assert values["momentum1"].dtype == np.float32
     truth = momentum[100:250]
     errors = _relative_errors(torch.from_numpy(values["momentum1"]), truth)
-    assert errors.max() <= max_relative_error(block.metadata["state_meta"]["momentum1"])
+    assert errors.max() <= max_relative_error(block.header["state_meta"]["momentum1"])
     assert errors.max() < _bound(momentum, signed=False) * 1.0001
     assert np.array_equal(
         values["momentum1"][truth.numpy() == 0], np.zeros(int((truth == 0).sum()))
     )
 
 
-def test_delta_state_codec_is_refused_for_row_states() -> None:
-    with pytest.raises(ConfigError, match="'exponent'.*momentum1"):
-        row_state_columns(make_codec("exponent"), {"momentum1": torch.ones(4)})
-    assert row_state_columns(make_codec("exponent"), {}) == {}  # element-wise states only
+@pytest.mark.parametrize("codec", ["exponent", "test_delta"])
+def test_additive_state_codecs_are_refused_by_the_config(codec: str) -> None:
+    from embckpt import CheckpointConfig
+
+    with pytest.raises(ConfigError, match=f"optimizer_codec '{codec}' is additive"):
+        CheckpointConfig(optimizer_codec=codec)
+    CheckpointConfig(codec=codec)  # as the row codec, they are what diffs are made of
 
 
 # -- a checkpoint saved with optimizer_codec="log8" (2 ranks) --------------------------------
@@ -261,8 +261,8 @@ def _state_metas(store: Any, manifests: list) -> list:
             block = decode_file(data, entry.path, entry.row_offset, entry.row_offset + 10**9)
             metas.append(
                 {
-                    "state": block.metadata.get("state_meta", {}),
-                    "elem": block.metadata["elem_meta"],
+                    "state": block.header.get("state_meta", {}),
+                    "elem": block.header["elem_meta"],
                     "columns": [c for c in pq.read_schema(pa.BufferReader(data)).names],
                 }
             )

@@ -20,7 +20,8 @@ from embckpt.storage import checksum
 from embckpt.storage import manifest as manifest_module
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
-from embckpt.storage.shardfile import decode_file, encode_file, index_file
+from embckpt.storage.rowfile_read import decode_file
+from embckpt.storage.rowfile_write import encode_file, index_file
 
 
 def _manifest() -> Manifest:
@@ -177,7 +178,7 @@ def test_row_file_round_trip_and_row_range(dtype: torch.dtype) -> None:
     block = decode_file(data, "f.parquet", 200, 300)
     keep = (rows >= 200) & (rows < 300)
     assert np.array_equal(block.rows, rows[keep])
-    decoded = codec_from_config(block.metadata["codec"]).decode(block.encoded, 6)
+    decoded = codec_from_config(block.header["codec"]).decode(block.encoded, 6)
     assert decoded.dtype == dtype and torch.equal(decoded, weights[torch.from_numpy(keep)])
     assert np.array_equal(block.row_states["momentum1"], momentum[keep])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -39,14 +40,35 @@ class EncodedRows:
 class Codec(abc.ABC):
     """Encodes rows of one table shard. Subclasses set ``codec_id`` and ``format_version``.
 
-    A ``delta`` codec encodes the difference between the rows and the last reconstructed state
-    of the same rows; a reader adds what it decodes to the rows it already restored.
+    An ``additive`` codec encodes the difference between the rows and the last reconstructed
+    state of the same rows (``exponent``, ``delta``); a reader adds what it decodes to the rows
+    it already restored.
     """
 
     codec_id: ClassVar[str]
     format_version: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
-    delta: ClassVar[bool] = False
+    additive: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "delta" in cls.__dict__:  # the flag's former name, in codecs users registered
+            warnings.warn(
+                f"{cls.__name__}.delta is deprecated: set `additive` instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.additive = bool(cls.__dict__["delta"])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "delta":  # the flag's former name
+            warnings.warn(
+                "Codec.delta is deprecated: read `additive` instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return self.additive
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @abc.abstractmethod
     def encode(self, rows: torch.Tensor) -> EncodedRows:

@@ -32,7 +32,7 @@ present (lengths distinct, checked when encoding) and ``parts`` the inner codec'
 each width (``{str(bits): metadata}``: parameter dtype, k-means codebook). The codec config
 holds ``inner``, the whole-row codec's config, and ``entropy``: Parquet's compression of the
 column (``none``, ``zstd`` or ``lz4``; variable lengths rule out fixed-size Huffman tables).
-Decoding adds nothing by itself: it returns the change, which the reader adds (``delta = True``).
+Decoding adds nothing by itself: it returns the change, which the reader adds (``additive = True``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class DeltaCodec(Codec):
 
     codec_id = "delta"
     format_version = 1
-    delta = True
+    additive = True
 
     def __init__(
         self, inner: Mapping[str, Any], entropy: str = "zstd", bits: int | None = None
@@ -94,7 +94,7 @@ class DeltaCodec(Codec):
         if entropy not in DELTA_ENTROPY:
             raise ConfigError(f"codec 'delta': entropy must be one of {DELTA_ENTROPY}")
         self.whole = codec_from_config({**inner, **({} if bits is None else {"bits": bits})})
-        if self.whole.delta or self.whole.lossless or not hasattr(self.whole, "bits"):
+        if self.whole.additive or self.whole.lossless or not hasattr(self.whole, "bits"):
             raise ConfigError(
                 f"codec 'delta': inner codec {inner.get('id')!r} is not a whole-row quantizer"
             )
@@ -232,7 +232,7 @@ class DeltaCodec(Codec):
 def deltas_for(codec: Codec, entropy: str) -> DeltaCodec | None:
     """The delta codec of a whole-row quantizer (None for codecs that are not one: lossless,
     16-bit floats, or already deltas)."""
-    if codec.delta or codec.lossless or not hasattr(codec, "bits") or codec.codec_id == "delta":
+    if codec.additive or codec.lossless or not hasattr(codec, "bits") or codec.codec_id == "delta":
         return None
     return DeltaCodec(codec.get_config(), entropy if entropy in DELTA_ENTROPY else "zstd")
 

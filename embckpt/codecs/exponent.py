@@ -1,6 +1,6 @@
 """``exponent``: LC-Checkpoint's exponent-based quantization with priority promotion, for deltas.
 
-A delta codec (``delta = True``): the checkpointer encodes ``rows - reference``, where
+An additive codec (``additive = True``): the checkpointer encodes ``rows - reference``, where
 ``reference`` is what a reader will have reconstructed for those rows so far, and a reader adds
 the decoded values to that reference. Feeding the quantization error of one checkpoint into the
 next delta (LC-Checkpoint's error feedback) keeps the reconstruction error bounded however many
@@ -45,7 +45,7 @@ class ExponentCodec(StagedCodec):
 
     codec_id = "exponent"
     format_version = 1
-    delta = True
+    additive = True
 
     def __init__(self, bits: int = 3, entropy: str = DEFAULT_ENTROPY) -> None:
         super().__init__(entropy)

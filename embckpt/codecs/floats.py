@@ -5,7 +5,7 @@ Format (version 2): the ``payload`` column is a Parquet list of ``cols`` floats 
 Arrow fixed-size list), so DuckDB, pandas and Spark read a row as an array of numbers. fp16 and
 bf16 values are stored as the float32 values they equal exactly: Parquet has no bf16 type, and
 its FLOAT16 (a 2-byte FIXED_LEN_BYTE_ARRAY) takes BYTE_STREAM_SPLIT in pyarrow 26 but DuckDB
-2.0 refuses to read it so encoded. ``storage/shardfile.py`` writes float lists with
+2.0 refuses to read it so encoded. ``storage/rowfile_write.py`` writes float lists with
 BYTE_STREAM_SPLIT encoding (byte k of every value together), so the ``zstd`` stage (the
 default) finds the exponent bytes' redundancy and drops the low bytes a widened 16-bit value
 leaves zero (``none`` stores 4 bytes per value; ``lz4`` removes less than zstd).

@@ -23,7 +23,7 @@ import torch
 
 from embckpt import dense
 from embckpt.dtypes import dtype_from_name
-from embckpt.read.reader import read_into
+from embckpt.read.apply import read_into
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore

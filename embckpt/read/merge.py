@@ -9,17 +9,19 @@ dtypes), so encoded bytes are only ever decoded under the metadata of the file t
 1. per table block (same table, offsets and shape in every checkpoint of the chain; a chain
    written by different sharding plans is refused), every row's *winner* is the newest chain
    file holding it (files in chain order, as a restore applies them: the newest write wins);
-2. rows whose winner has a plain (non-``delta``) codec: a restore leaves exactly that file's
-   decoded row, so the merged file of that source keeps the winner's encoded bytes (an Arrow
-   ``take`` of each column) under the winner's own metadata (codec, codec_meta, state codec,
-   elem_meta) and Parquet compression. Nothing is decoded or quantized again;
-3. rows whose winner has a ``delta`` codec (``exponent`` diffs, which a restore *adds* to the
-   rows restored so far): the block is rebuilt by the reader itself (``plan_reads``, ``stage``,
-   ``apply_staged`` into a zeroed block of the table's dtype, the code path of a restore), and
-   those rows are stored with the lossless ``raw`` codec in that dtype. Optimizer states are
-   never deltas (element-wise states of a delta state codec are refused), so a row's row-wise
-   and element-wise states are always the winner's, copied as encoded (a row-wise state under a
-   lossy state codec, ``log8``, included: quantized once, when it was saved);
+2. rows whose winner has a codec that replaces rows (not ``additive``): a restore leaves
+   exactly that file's decoded row, so the merged file of that source keeps the winner's
+   encoded bytes (an Arrow ``take`` of each column) under the winner's own metadata (codec,
+   codec_meta, state codec, elem_meta) and Parquet compression. Nothing is decoded or
+   quantized again;
+3. rows whose winner has an ``additive`` codec (``exponent`` and ``delta`` diffs, which a
+   restore *adds* to the rows restored so far): the block is rebuilt by the reader itself
+   (``plan_reads``, ``stage``, ``apply_staged`` into a zeroed block of the table's dtype, the
+   code path of a restore), and those rows are stored with the lossless ``raw`` codec in that
+   dtype. Optimizer states are never added to (element-wise states of an additive state codec
+   are refused), so a row's row-wise and element-wise states are always the winner's, copied
+   as encoded (a row-wise state under a lossy state codec, ``log8``, included: quantized once,
+   when it was saved);
 4. one merged file per (block, source file that still wins rows), each with a fresh row-group
    index, so partial reads still work; dense and per-rank files are kept as they are.
 
@@ -49,11 +51,12 @@ from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
 from embckpt.dtypes import dtype_from_name
 from embckpt.errors import EmbckptError
-from embckpt.read.reader import read_into
+from embckpt.read.apply import read_into
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.checksum import ALGORITHM
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME, merged_prefix, merged_rows_file
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import (
     FORMAT_VERSION,
@@ -62,14 +65,9 @@ from embckpt.storage.manifest import (
     Manifest,
     TableEntry,
 )
-from embckpt.storage.shardfile import (
-    ELEM_STATE_PREFIX,
-    STATE_PREFIX,
-    RowBlock,
-    decode_file,
-    encode_file,
-    index_file,
-)
+from embckpt.storage.rowfile import ELEM_STATE_PREFIX, STATE_PREFIX
+from embckpt.storage.rowfile_read import RowBatch, decode_file
+from embckpt.storage.rowfile_write import encode_file, index_file
 
 _BlockKey = tuple[str, int, int, int, int]
 # Rebuilt by encode_file from the encoded columns.
@@ -82,9 +80,9 @@ class _Source:
 
     step: int
     entry: FileEntry
-    block: RowBlock
+    block: RowBatch
     compression: dict[str, str]  # Parquet compression of each column, as written
-    delta: bool  # the row codec adds to earlier rows
+    additive: bool  # the row codec adds to earlier rows
 
 
 def _key(entry: FileEntry) -> _BlockKey:
@@ -122,8 +120,8 @@ def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Man
     Raises:
         DirectoryLockedError: another live job holds the directory.
         EmbckptError: the chain's blocks do not line up (written by different sharding plans),
-            rows of a delta codec have no earlier full version to add to, or element-wise
-            optimizer states were written with a delta codec.
+            rows of an additive codec have no earlier full version to add to, or element-wise
+            optimizer states were written with an additive codec.
         CheckpointCorruptError / ChainIncompleteError: a file or link of the chain is bad.
         EmbckptError: anything else failed (a write, say); the step is as it was.
     """
@@ -203,35 +201,33 @@ def _blocks(chain: Sequence[Manifest], step: int) -> dict[_BlockKey, list[tuple[
 def _fresh_prefix(head: Manifest) -> str:
     """A folder of the step that no file of the old manifest lives in: new files never
     overwrite a file the committed manifest still needs."""
-    n = 0
-    while True:
-        prefix = "merged/" if n == 0 else f"merged{n}/"
-        if not any(f.path.startswith(prefix) for f in head.files):
-            return prefix
-        n += 1
+    taken = 0
+    while any(f.path.startswith(merged_prefix(taken)) for f in head.files):
+        taken += 1
+    return merged_prefix(taken)
 
 
 def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source:
     """Reads and checks one rows file of the chain; rebuilds its codecs from its metadata.
 
     Raises:
-        EmbckptError: element-wise states of a delta codec: even the base's are added to
+        EmbckptError: element-wise states of an additive codec: even the base's are added to
             whatever state the restored model held, which no full checkpoint can reproduce.
     """
     data = store.read_checked(step, entry.written)
     path = store.step_path(step, entry.path)
     block = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
-    if block.elem_states and codec_from_config(block.metadata["state_codec"]).delta:
+    if block.elem_states and codec_from_config(block.header["state_codec"]).additive:
         raise EmbckptError(
-            f"{path}: element-wise optimizer states use a delta codec "
-            f"({block.metadata['state_codec']}); such a chain cannot be merged exactly"
+            f"{path}: element-wise optimizer states use an additive codec "
+            f"({block.header['state_codec']}); such a chain cannot be merged exactly"
         )
     return _Source(
         step=step,
         entry=entry,
         block=block,
         compression=_compression(data),
-        delta=codec_from_config(block.metadata["codec"]).delta,
+        additive=codec_from_config(block.header["codec"]).additive,
     )
 
 
@@ -253,7 +249,7 @@ def _merge_block(
     win_owner, win_local = owner[latest], local[latest]
     winning = [i for i in range(len(sources)) if np.any(win_owner == i)]
     rebuilt = None
-    if any(sources[i].delta for i in winning):
+    if any(sources[i].additive for i in winning):
         _check_has_base(sources, rows, owner, win_owner, rows[latest], key)
         rebuilt = _reconstruct(store, chain, key, table)
     files = []
@@ -261,12 +257,11 @@ def _merge_block(
         source = sources[i]
         picked = win_local[win_owner == i]  # ascending: a file's rows are sorted by row id
         weights = None
-        if rebuilt is not None and source.delta:
+        if rebuilt is not None and source.additive:
             weights = rebuilt[torch.from_numpy(source.block.rows[picked] - key[1])]
         data = _encode_winners(source, picked, weights, row_group_rows)
         table_name, row_off, col_off, _, _ = key
-        name = f"r{row_off}_c{col_off}.s{source.step}.f{i}.parquet"  # unique per source file
-        relative = f"{prefix}tables/{table_name}/{name}"
+        relative = merged_rows_file(prefix, table_name, row_off, col_off, source.step, i)
         index = index_file(data)
         written = store.write_file(chain[-1].step, relative, data, index.file_checksum)
         files.append(
@@ -296,13 +291,13 @@ def _check_has_base(
     Raises:
         EmbckptError: names the block and a row without a plain version.
     """
-    plain = np.array([not s.delta for s in sources])
-    delta_won = np.array([s.delta for s in sources])[win_owner]
+    plain = np.array([not s.additive for s in sources])
+    delta_won = np.array([s.additive for s in sources])[win_owner]
     orphans = win_rows[delta_won & ~np.isin(win_rows, rows[plain[owner]])]
     if len(orphans):
         raise EmbckptError(
             f"block {key}: row {int(orphans[0])} (and {len(orphans) - 1} more) appear only in "
-            "files of a delta codec; the chain has no full version of them to merge into"
+            "files of an additive codec; the chain has no full version of them to merge into"
         )
 
 
@@ -310,7 +305,7 @@ def _reconstruct(
     store: CheckpointStore, chain: Sequence[Manifest], key: _BlockKey, table: TableEntry
 ) -> torch.Tensor:
     """The block's weights as a restore of the chain leaves them, rebuilt by the restore's own
-    reader (plan, stage, apply: deltas added in the same order and dtype), so merged rows are
+    reader (plan, stage, apply: additive rows added in the same order and dtype), so merged rows are
     the very values a restore of the chain produces."""
     name, row_off, col_off, rows, cols = key
     shard = TableShard(
@@ -332,10 +327,10 @@ def _encode_winners(
 ) -> pa.Buffer:
     """One Parquet file of the rows ``picked`` (local indices) of ``source``: its encoded bytes
     (weights, optimizer states) under its own metadata and compression, except the rebuilt
-    ``weights`` (given for delta codecs), stored ``raw`` in the table's dtype."""
+    ``weights`` (given for additive codecs), stored ``raw`` in the table's dtype."""
     block = source.block
     take = pa.array(picked, type=pa.int64())
-    meta = {k: v for k, v in block.metadata.items() if k not in _FILE_META}
+    meta = {k: v for k, v in block.header.items() if k not in _FILE_META}
     if weights is not None:
         raw = make_codec("raw")
         encoded = raw.encode(weights)

@@ -1,22 +1,25 @@
 """Restore: read a checkpoint chain and load it into the live, sharded model, whatever world
 size and sharding plan wrote it.
 
-Stages (every rank, together):
+The flow, in the phases ``RestoreResult.phases`` times (every rank, together):
 
-1. choose  - rank 0 lists committed steps and broadcasts the one to restore;
-2. chain   - read the manifests from the target back through its parents to the full base,
-             each checking its own checksum; a missing link is named with what needs it;
-3. match   - the model's tables (names, shapes, dtypes) must equal the checkpoint's;
-4. stage   - (see :mod:`embckpt.read.reader`) each rank fetches, with its own threads, only the row
-             groups of the chain's files that overlap its own blocks, and checks every byte
-             it fetched; the dense and per-rank files are read whole and checked. Only the
-             reader's own plan is needed: files are addressed by global rows and columns;
-5. agree   - ranks exchange success; any failure raises on every rank before anything is
-             loaded, so a failed restore never leaves a half-loaded model;
-6. apply   - the dense state, RNG and stateful objects (:mod:`embckpt.read.side_state`),
-             then decode and write the chain in order into this rank's blocks (delta codecs
-             add). The result lists the rows the
-             chain's diffs changed; the caller (``Checkpointer``) rebuilds its tracker from it.
+1. plan    - rank 0 lists committed steps and broadcasts the one to restore; every rank reads
+             the manifests from it back through its parents to the full base (each checks its
+             own checksum; a missing link is named with what needs it), checks that the
+             model's tables (names, shapes, dtypes) equal the checkpoint's, and lists the
+             files and row groups its own blocks overlap (``plan.py``). Only the reader's own
+             plan is needed: files are addressed by global rows and columns;
+2. fetch   - each rank's threads fetch those row groups, newest checkpoint first, skipping what
+             newer checkpoints already give (``stage.py``); the dense and per-rank files are
+             read whole;
+3. verify  - every fetched byte against the manifest's checksums. Then the ranks agree: any
+             failure so far raises on every rank before anything is loaded, so a failed
+             restore never leaves a half-loaded model;
+4. decode  - the codecs named in each file decode bounded batches (``apply.py``);
+5. apply   - the dense state, RNG and stateful objects first (:mod:`embckpt.read.side_state`),
+             then the rows into this rank's blocks (additive codecs add, in chain order); the
+             ranks agree once more. The result lists the rows the chain's diffs changed; the
+             caller (``Checkpointer``) rebuilds its tracker from it.
 
 Resharding (writer plan -> this plan):
 
@@ -51,18 +54,13 @@ from embckpt.errors import (
     RestoreRankError,
     as_error,
 )
-from embckpt.read.reader import (
-    ReadCost,
-    StagedFile,
-    apply_staged,
-    plan_reads,
-    release,
-    stage,
-)
+from embckpt.read.apply import apply_staged
+from embckpt.read.plan import plan_reads
 from embckpt.read.side_state import SideState, apply_side_state, read_side_state
+from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 
@@ -195,7 +193,8 @@ def restore_checkpoint(
         failpoints.hit("restore.fetch")
         staged, cost = stage(store, len(chain), reads, threads=threads, progress=show, clock=clock)
         failpoints.hit("restore.side_state")
-        side = read_side_state(into, chain[-1], cost)
+        side = read_side_state(into, chain[-1])
+        cost.other_bytes += side.bytes_read
     except Exception as exc:  # gathered below so that every rank raises
         error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
     try:
@@ -211,10 +210,10 @@ def restore_checkpoint(
     # applying them (after every byte verified: a bug, or memory) leaves the model partly
     # loaded, raises on every rank, and the Checkpointer's next save is a full.
     apply_side_state(into, side)
-    applied = []
+    written = []
     try:
         failpoints.hit("restore.apply")
-        applied = apply_staged(staged, threads, clock)
+        written = apply_staged(staged, threads, clock)
     except Exception as exc:
         error = as_error(
             RestoreError, exc, f"step {target}: rank {comm.rank}: applying the rows failed"
@@ -230,7 +229,7 @@ def restore_checkpoint(
         seconds=time.perf_counter() - started,
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
-        diff_rows=tuple((p.shard.key, p.local_rows) for p in applied if p.from_diff),
+        diff_rows=tuple((w.shard.key, w.local_rows) for w in written if w.from_diff),
         phases=clock.seconds(),
     )
     log.info(
@@ -248,66 +247,3 @@ def _tty() -> bool:
     import sys
 
     return sys.stderr.isatty()
-
-
-# -- the `embckpt restore` command ----------------------------------------------------------------
-_RECIPE = """\
-To resume a job from step {step}, run on every rank of the new job (any world size, any
-sharding plan), after building the sharded model and its dense optimizer:
-
-    import embckpt
-
-    ckpt = embckpt.Checkpointer(
-        dmp, {directory!r}, optimizer=dense_optimizer, config=config,
-        statefuls={{"data": sampler}},  # the writer's statefuls (data position, schedulers)
-    )
-    step = ckpt.restore({step})  # collective; None on every rank if there is no checkpoint
-    for step in range(step + 1, total_steps + 1):
-        train_step(dmp, dense_optimizer, next(batches))
-        ckpt.maybe_save(step)  # the next checkpoint continues this chain
-    ckpt.close()
-
-`ckpt.restore()` without a step takes the latest committed checkpoint. On another world size
-the RNG streams are not restored, and a stateful is restored only if every writing rank saved
-the same state for it and it accepts it (see the warnings the restore logs)."""
-
-
-def describe_restore(directory: str, step: int | None = None) -> tuple[str, bool]:
-    """What ``embckpt restore`` prints: the chain of ``step`` (the latest if None), whether
-    every file of it verifies, and how to resume a job from it.
-
-    Returns:
-        The text, and whether the chain verified.
-
-    Raises:
-        ChainIncompleteError: no committed checkpoint, or a link of the chain is missing.
-        CheckpointCorruptError: a manifest of the chain is damaged.
-    """
-    from embckpt.storage.verify import verify
-
-    store = CheckpointStore(directory)
-    chain = read_chain(store, step)
-    step = chain[-1].step
-    head = chain[-1]
-    lines = [f"step {step} of {store.uri}: a chain of {len(chain)} checkpoint(s), base first"]
-    for m in chain:
-        rows = sum(1 for f in m.files if f.role == "rows")
-        lines.append(
-            f"  step {m.step}: {m.kind}, {rows} rows files, {m.total_bytes:,} bytes, "
-            f"{m.rows_written:,} rows, written by {m.world_size} ranks, codec {m.codec.get('id')}"
-        )
-    lines.append(f"tables (as step {step}'s writer sharded them):")
-    for t in head.tables:
-        states = ", ".join(t.row_states + t.elem_states) or "none"
-        lines.append(
-            f"  {t.name}: {t.rows} x {t.cols} {t.dtype}, {t.sharding_type} in "
-            f"{len(t.shards)} block(s), optimizer states: {states}"
-        )
-    report = verify(store, step)
-    if report.ok:
-        lines.append(f"verify: OK ({report.files_checked} files of steps {report.checked})")
-    else:
-        lines.append(f"verify: FAILED, {len(report.problems)} problem(s):")
-        lines.extend(f"  BAD {path}: {reason}" for path, reason in report.problems)
-    lines.extend(["", _RECIPE.format(step=step, directory=str(directory))])
-    return "\n".join(lines), report.ok

@@ -27,9 +27,8 @@ from embckpt.errors import (
     ModelMismatchError,
     RestoreRankError,
 )
-from embckpt.read.reader import ReadCost
 from embckpt.read.target import RestoreTarget
-from embckpt.storage.fs import MANIFEST_NAME
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -44,11 +43,12 @@ class SideState:
     statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
     skipped: list[str] = field(default_factory=list)
     dense_path: str = ""
+    bytes_read: int = 0  # of the dense and per-rank files
 
 
-def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> SideState:
+def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
     """Reads the dense and per-rank files of ``head`` and checks them against the live model,
-    optimizer and statefuls.
+    optimizer and statefuls; the result says how many bytes it read.
 
     Raises:
         CheckpointCorruptError: a file is missing or damaged.
@@ -60,9 +60,10 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
     if dense_entry is None:
         raise CheckpointCorruptError(manifest_path, "lists no dense file")
     raw = store.read_checked(head.step, dense_entry.written)
-    cost.other_bytes += raw.size
     dense_path = store.step_path(head.step, dense_entry.path)
-    side = SideState(dense=dense.decode_tree(raw.to_pybytes()), dense_path=dense_path)
+    side = SideState(
+        dense=dense.decode_tree(raw.to_pybytes()), dense_path=dense_path, bytes_read=raw.size
+    )
     check_dense(into, side.dense, dense_path)
     rank_files = sorted((f for f in head.files if f.role == "rank"), key=lambda f: f.rank)
     if head.world_size == comm.world_size:
@@ -70,7 +71,7 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
         if own is None:
             raise CheckpointCorruptError(manifest_path, f"lists no file of rank {comm.rank}")
         raw = store.read_checked(head.step, own.written)
-        cost.other_bytes += raw.size
+        side.bytes_read += raw.size
         side.rank = dense.decode_tree(raw.to_pybytes())
         saved = side.rank["statefuls"]
         absent = sorted(set(into.statefuls) - set(saved))
@@ -86,7 +87,7 @@ def read_side_state(into: RestoreTarget, head: Manifest, cost: ReadCost) -> Side
     states = []
     for entry in rank_files:
         raw = store.read_checked(head.step, entry.written)
-        cost.other_bytes += raw.size
+        side.bytes_read += raw.size
         states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
     for name in into.statefuls:
         saved_states = [s.get(name) for s in states]

@@ -25,19 +25,13 @@ from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
-from embckpt.storage.fs import MANIFEST_NAME, WrittenFile
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest
+from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.retention import apply_retention
 from embckpt.tracking import View
 
 log = logging.getLogger(__name__)
-
-DENSE_FILE = "dense/model.safetensors"
-
-
-def rank_file(rank: int) -> str:
-    return f"dense/rank_{rank:05d}.safetensors"
 
 
 @dataclass
@@ -184,6 +178,7 @@ class Persister:
                     snapshot.decision,
                     snapshot.codec,
                     snapshot.transaction.edits,
+                    clock,
                 )
             )
             failpoints.hit("save.dense")
@@ -192,12 +187,12 @@ class Persister:
                 with clock.time("encode"):
                     data = dense.encode_tree(snapshot.dense)
                 with clock.time("hash"):
-                    written = store.write_file(step, DENSE_FILE, data)
+                    written = store.write_file(step, DENSE_FILE, data, clock=clock)
                 snapshot.entries.append(_entry(written, "dense", rank))
             with clock.time("encode"):
                 data = dense.encode_tree(snapshot.rank)
             with clock.time("hash"):
-                written = store.write_file(step, rank_file(rank), data)
+                written = store.write_file(step, rank_file(rank), data, clock=clock)
             snapshot.entries.append(_entry(written, "rank", rank))
             failpoints.hit("save.agree")
         except Exception as exc:

@@ -49,7 +49,7 @@ from embckpt.save.snapshot import Stager, Unit, plan_pieces, plan_units
 from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
-from embckpt.storage.fs import MANIFEST_NAME
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import PhaseClock
 from embckpt.tracking import View
@@ -126,7 +126,6 @@ class Saver:
             return PendingCheckpoint(step, future)
         handle = PendingCheckpoint(step, future, transaction)
         clock = PhaseClock()
-        self.ctx.store.clock = clock  # the store's writes report their write and fsync time
         mode = self.ctx.config.pipeline
         try:
             snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
@@ -222,12 +221,12 @@ class Saver:
                 None if head is None else chain_bytes(head),
             )
         )
-        if self.codec.delta and decision.kind is Kind.DIFF and not state.reference.ready:
+        if self.codec.additive and decision.kind is Kind.DIFF and not state.reference.ready:
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
         if decision.kind is not Kind.SKIP:
-            transaction.decided(decision, self.codec.delta, ctx.policy.mixes_diffs)
+            transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
         return decision, dirty
 
     def mark_moving_rows(self) -> None:
@@ -310,7 +309,7 @@ class Saver:
                 with clock.time("snapshot"):
                     staged = self._stage_piece(piece)
                 snapshot.entries.extend(
-                    self.writer.write(step, staged, decision, self.codec, transaction.edits)
+                    self.writer.write(step, staged, decision, self.codec, transaction.edits, clock)
                 )
             except Exception as exc:
                 snapshot.error = exc

@@ -23,9 +23,10 @@ from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
 from embckpt.save.snapshot import StagedUnit
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import rows_file
 from embckpt.storage.manifest import FileEntry
-from embckpt.storage.phases import timed
-from embckpt.storage.shardfile import encode_file, index_file, row_state_columns
+from embckpt.storage.phases import PhaseClock
+from embckpt.storage.rowfile_write import encode_file, index_file, row_state_columns
 from embckpt.tracking import View
 
 
@@ -52,7 +53,7 @@ class _Part:
     codec: Codec
     encoded: EncodedRows
     picked: np.ndarray | None = None
-    suffix: str = ""
+    whole: bool = False  # a delta diff's rows better written whole: a sibling file
     restored: torch.Tensor | None = None
 
 
@@ -94,41 +95,49 @@ class RowFileWriter:
         decision: Decision,
         codec: Codec,
         edits: WriteEdits,
+        clock: PhaseClock,
     ) -> list[FileEntry]:
         """Encodes with ``codec`` and writes every unit of ``staged`` as files of ``step``
-        (one per unit; two for a ``delta`` diff with rows better written whole)."""
+        (one per unit; two for a ``delta`` diff with rows better written whole); ``clock``
+        gets the save's ``encode``, ``hash``, ``write`` and ``fsync`` time."""
         written = self._io.map(
-            lambda unit: self._timed_write(step, unit, decision, codec, edits), staged
+            lambda unit: self._timed_write(step, unit, decision, codec, edits, clock), staged
         )
         return [entry for entries in written for entry in entries]
 
     def _timed_write(
-        self, step: int, block: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
+        self,
+        step: int,
+        unit: StagedUnit,
+        decision: Decision,
+        codec: Codec,
+        edits: WriteEdits,
+        clock: PhaseClock,
     ) -> list[FileEntry]:
         # What _write spends outside its encode, write and fsync phases is checksumming (the
         # file's and its row groups' for the index): counted as "hash".
-        with timed(self.store.clock, "hash"):
+        with clock.time("hash"):
             failpoints.hit("save.encode")
-            with timed(self.store.clock, "encode"):
-                parts = self._encode(block, decision, codec, edits)
+            with clock.time("encode"):
+                parts = self._encode(unit, decision, codec, edits)
             failpoints.hit("save.write")
-            return [self._write(step, block, part, edits.capture) for part in parts]
+            return [self._write(step, unit, part, edits.capture, clock) for part in parts]
 
     def _encode(
-        self, block: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
+        self, unit: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
     ) -> list[_Part]:
         """Encodes a unit's rows; delta codecs encode against the reconstruction, and a diff
         records in ``edits.reference`` what its rows reconstruct as."""
         capture = edits.capture is not None
-        cols = block.unit.shard.num_cols
-        if not codec.delta:
-            encoded = codec.encode(block.weights)
+        cols = unit.unit.shard.num_cols
+        if not codec.additive:
+            encoded = codec.encode(unit.weights)
             return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]
-        shard = block.unit.shard
-        key, rows = shard.key, block.local_rows
+        shard = unit.unit.shard
+        key, rows = shard.key, unit.local_rows
         if decision.kind is Kind.FULL:
             base = codec.whole if isinstance(codec, DeltaCodec) else self.base_codec
-            encoded = base.encode(block.weights)
+            encoded = base.encode(unit.weights)
             self.reference.set_base(key, (shard.num_rows, cols), rows, base, encoded)
             return [_Part(base, encoded, restored=_decoded(base, encoded, cols, capture))]
         one_shot = decision.view is View.SINCE_FULL
@@ -139,12 +148,12 @@ class RowFileWriter:
         # What the rows restore to is decoded only when the chain goes on or it is captured.
         rebuild = edit is not None or capture
         if not isinstance(codec, DeltaCodec):
-            encoded = codec.encode(block.weights.float().cpu() - reference)
+            encoded = codec.encode(unit.weights.float().cpu() - reference)
             restored = reference + codec.decode(encoded, cols) if rebuild else None
             if edit is not None and restored is not None:
                 edit.replace(key, rows, restored)
             return [_Part(codec, encoded, restored=restored)]
-        split = codec.encode_split(block.weights, reference)
+        split = codec.encode_split(unit.weights, reference)
         parts = []
         if len(split.delta_rows):
             at = torch.from_numpy(split.delta_rows)
@@ -156,21 +165,26 @@ class RowFileWriter:
             whole = _decoded(codec.whole, split.whole, cols, rebuild)
             if edit is not None and whole is not None:
                 edit.replace(key, rows[torch.from_numpy(split.whole_rows)], whole)
-            parts.append(_Part(codec.whole, split.whole, split.whole_rows, ".whole", whole))
+            parts.append(_Part(codec.whole, split.whole, split.whole_rows, True, whole))
         return parts
 
     def _write(
-        self, step: int, block: StagedUnit, part: _Part, capture: CaptureEdit | None
+        self,
+        step: int,
+        unit: StagedUnit,
+        part: _Part,
+        capture: CaptureEdit | None,
+        clock: PhaseClock,
     ) -> FileEntry:
-        shard = block.unit.shard
+        shard = unit.unit.shard
         picked = None if part.picked is None else torch.from_numpy(part.picked)
-        local_rows = block.local_rows if picked is None else block.local_rows[picked]
-        row_states, elem_states = block.row_states, block.elem_states
+        local_rows = unit.local_rows if picked is None else unit.local_rows[picked]
+        row_states, elem_states = unit.row_states, unit.elem_states
         if picked is not None:
             row_states = {n: t[picked.to(t.device)] for n, t in row_states.items()}
             elem_states = {n: t[picked.to(t.device)] for n, t in elem_states.items()}
         global_rows = (local_rows + shard.row_offset).numpy()
-        with timed(self.store.clock, "encode"):
+        with clock.time("encode"):
             row_columns = row_state_columns(self.state_codec, row_states)
             elem_columns = {n: self.state_codec.encode(t) for n, t in elem_states.items()}
             data = encode_file(
@@ -189,12 +203,12 @@ class RowFileWriter:
                 row_group_rows=self.row_group_rows,
             )
         if capture is not None:
-            capture.add(self._captured(block, part, local_rows, row_columns, elem_columns))
-        block_name = f"r{shard.row_offset}_c{shard.col_offset}.p{block.unit.part}{part.suffix}"
-        index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
-        written = self.store.write_file(
-            step, f"tables/{shard.table}/{block_name}.parquet", data, index.file_checksum
+            capture.add(self._captured(unit, part, local_rows, row_columns, elem_columns))
+        name = rows_file(
+            shard.table, shard.row_offset, shard.col_offset, unit.unit.part, part.whole
         )
+        index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
+        written = self.store.write_file(step, name, data, index.file_checksum, clock=clock)
         return FileEntry(
             path=written.path,
             bytes=written.bytes,
@@ -213,14 +227,14 @@ class RowFileWriter:
 
     def _captured(
         self,
-        block: StagedUnit,
+        unit: StagedUnit,
         part: _Part,
         local_rows: torch.Tensor,
         row_columns: dict[str, np.ndarray | EncodedRows],
         elem_columns: dict[str, EncodedRows],
     ) -> CapturedRows:
         """What this file restores to, decoded as a reader decodes it (debug capture)."""
-        shard = block.unit.shard
+        shard = unit.unit.shard
         assert part.restored is not None  # decoded for every part when capturing
         values = {"weight": part.restored.float().cpu()}
         for name, column in row_columns.items():

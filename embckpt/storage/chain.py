@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from embckpt.errors import ChainIncompleteError, CheckpointCorruptError
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 
 

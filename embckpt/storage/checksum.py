@@ -22,6 +22,8 @@ import re
 import google_crc32c
 import pyarrow as pa
 
+from embckpt.errors import CheckpointCorruptError
+
 ALGORITHM = "crc32c"
 """The algorithm of the checksums this version writes (the manifest's ``checksum_algorithm``)."""
 LEGACY_ALGORITHM = "sha256"
@@ -99,3 +101,35 @@ def _x8n(length: int) -> int:
         length >>= 1
         k += 1
     return power
+
+
+def verify(data: pa.Buffer | bytes, expected: str, path: str, what: str = "") -> None:
+    """Checks ``data`` against the manifest's checksum ``expected``: the one check every read
+    of a checkpoint's bytes goes through.
+
+    Args:
+        path: the file, for the message.
+        what: the part of the file (``"row group 3 (bytes 4+100)"``); empty for a whole file.
+
+    Raises:
+        CheckpointCorruptError: the bytes do not match, or ``expected`` is no checksum.
+    """
+    where = f"{what}: " if what else ""
+    try:
+        good = matches(data, expected)
+    except ValueError as exc:
+        raise CheckpointCorruptError(path, f"{where}manifest entry: {exc}") from exc
+    if not good:
+        raise CheckpointCorruptError(
+            path, f"{where}{algorithm_of(expected)} does not match the manifest"
+        )
+
+
+def verify_size(size: int, expected: int, path: str) -> None:
+    """Checks a file's size against the manifest's.
+
+    Raises:
+        CheckpointCorruptError: the file is truncated or extended.
+    """
+    if size != expected:
+        raise CheckpointCorruptError(path, f"size is {size} bytes, the manifest says {expected}")

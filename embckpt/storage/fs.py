@@ -13,11 +13,8 @@ import errno
 import logging
 import os
 import random
-import re
 import time
-import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,11 +22,12 @@ import pyarrow.fs as pafs
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage import checksum as checksums
+from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_of_dir, temp_name
+from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.paths import path_problem
 from embckpt.storage.phases import PhaseClock, timed
+from embckpt.storage.rowfile_read import CheckedFile, open_ranges, whole_file
 
-MANIFEST_NAME = "MANIFEST.json"
-_STEP_DIR = re.compile(r"^step_(\d{12})$")
 log = logging.getLogger(__name__)
 
 # Failures a retry cannot fix: a missing parent, a refusal, a full or read-only disk, a bad name.
@@ -45,10 +43,6 @@ _MAX_BACKOFF_S = 5.0
 # A private generator: jitter must not draw from the global ``random`` stream, whose state a
 # checkpoint saves and a restore puts back.
 _JITTER = random.Random()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:012d}"
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -68,15 +62,6 @@ def _unwrap(filesystem: pafs.FileSystem, path: str) -> tuple[pafs.FileSystem, st
     if isinstance(filesystem, pafs.LocalFileSystem):
         return filesystem, str(Path(path).absolute())
     return filesystem, path.rstrip("/")
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """What the writer of a file knows about it: the manifest's record of it."""
-
-    path: str  # relative to the step folder
-    bytes: int
-    checksum: str  # see storage/checksum.py: CRC32C, or SHA-256 in format-1 manifests
 
 
 class CheckpointStore:
@@ -137,7 +122,6 @@ class CheckpointStore:
         self.write_retries = write_retries
         self.retry_backoff_s = retry_backoff_s
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
-        self.clock: PhaseClock | None = None  # set by a saving Checkpointer: write/fsync time
 
     # -- layout ---------------------------------------------------------------------------------
     def step_path(self, step: int, relative: str = "") -> str:
@@ -154,9 +138,9 @@ class CheckpointStore:
             return {}
         found = {}
         for info in infos:
-            match = _STEP_DIR.match(info.base_name)
-            if match and info.type == pafs.FileType.Directory:
-                found[int(match.group(1))] = info.path
+            step = step_of_dir(info.base_name)
+            if step is not None and info.type == pafs.FileType.Directory:
+                found[step] = info.path
         return found
 
     def committed_steps(self) -> list[int]:
@@ -182,7 +166,7 @@ class CheckpointStore:
                 for info in self.fs.get_file_info(
                     pafs.FileSelector(self.step_path(step), recursive=True)
                 ):
-                    if ".tmp-" in info.base_name and info.type == pafs.FileType.File:
+                    if is_temp(info.base_name) and info.type == pafs.FileType.File:
                         self.fs.delete_file(info.path)
         return leftovers
 
@@ -196,14 +180,21 @@ class CheckpointStore:
 
     # -- writes ---------------------------------------------------------------------------------
     def write_file(
-        self, step: int, relative: str, data: pa.Buffer | bytes, checksum: str | None = None
+        self,
+        step: int,
+        relative: str,
+        data: pa.Buffer | bytes,
+        checksum: str | None = None,
+        *,
+        clock: PhaseClock | None = None,
     ) -> WrittenFile:
         """Writes one whole file of a step folder and returns its size and checksum.
 
         Args:
             checksum: the file's checksum if the caller already has it (a rows file's is
-                combined from its row groups' CRCs, see ``shardfile.index_file``), so each byte
-                is read once; computed here otherwise.
+                combined from its row groups' CRCs, see ``rowfile_write.index_file``), so each
+                byte is read once; computed here otherwise.
+            clock: a save's clock, which gets the ``write`` and ``fsync`` time.
 
         Raises:
             ValueError: ``relative`` would leave the step folder (e.g. a table named ``a/../..``):
@@ -215,12 +206,15 @@ class CheckpointStore:
             raise ValueError(f"{self.step_path(step, relative)}: {problem}")
         if checksum is None:
             checksum = checksums.checksum(data)
-        self.write_atomic(self.step_path(step, relative), data)
+        self.write_atomic(self.step_path(step, relative), data, clock=clock)
         return WrittenFile(path=relative, bytes=len(memoryview(data)), checksum=checksum)
 
-    def write_atomic(self, path: str, data: pa.Buffer | bytes) -> None:
+    def write_atomic(
+        self, path: str, data: pa.Buffer | bytes, *, clock: PhaseClock | None = None
+    ) -> None:
         """Writes ``path`` so that it appears whole or not at all, trying the whole write again
-        after a transient error (``write_retries``, ``retry_backoff_s``).
+        after a transient error (``write_retries``, ``retry_backoff_s``); ``clock`` gets the
+        ``write`` and ``fsync`` time.
 
         Raises:
             OSError: the last attempt's error, unchanged; or the first one that a retry cannot
@@ -229,7 +223,7 @@ class CheckpointStore:
         write = self._write_local if self.is_local else self._write_object
         for attempt in range(self.write_retries + 1):
             try:
-                write(path, data)
+                write(path, data, clock)
                 return
             except OSError as exc:
                 if attempt == self.write_retries or not is_retryable(exc):
@@ -245,24 +239,24 @@ class CheckpointStore:
                 )
                 time.sleep(wait)
 
-    def _write_object(self, path: str, data: pa.Buffer | bytes) -> None:
+    def _write_object(self, path: str, data: pa.Buffer | bytes, clock: PhaseClock | None) -> None:
         # Object stores publish an object only when its upload completes: no rename needed.
-        with timed(self.clock, "write"):
+        with timed(clock, "write"):
             self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             with self.fs.open_output_stream(path) as out:
                 out.write(data)
 
-    def _write_local(self, path: str, data: pa.Buffer | bytes) -> None:
+    def _write_local(self, path: str, data: pa.Buffer | bytes, clock: PhaseClock | None) -> None:
         """Temporary file, fsync, rename; a failed attempt's temporary file is removed."""
         parent = path.rsplit("/", 1)[0]
         os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = temp_name(path)
         try:
             with open(tmp, "wb") as out:
-                with timed(self.clock, "write"):
+                with timed(clock, "write"):
                     out.write(memoryview(data))
                 if self.fsync:
-                    with timed(self.clock, "fsync"):
+                    with timed(clock, "fsync"):
                         out.flush()
                         os.fsync(out.fileno())
             os.replace(tmp, path)
@@ -271,7 +265,7 @@ class CheckpointStore:
                 os.remove(tmp)
             raise
         if self.fsync:
-            with timed(self.clock, "fsync"):
+            with timed(clock, "fsync"):
                 dir_fd = os.open(parent, os.O_RDONLY)
                 try:
                     os.fsync(dir_fd)
@@ -307,39 +301,78 @@ class CheckpointStore:
                 )
 
     def read_file(self, step: int, relative: str) -> pa.Buffer:
-        """Reads a whole file of a step folder.
+        """Reads a whole file of a step folder, unchecked (a manifest, which checks itself).
 
         Raises:
             CheckpointCorruptError: the file is missing or unreadable, or ``relative`` does not
                 name a file inside the step folder.
         """
-        path = self.step_path(step, relative)
-        problem = path_problem(relative)
-        if problem is not None:
-            raise CheckpointCorruptError(path, problem)
+        path = self._inside(step, relative)
         try:
             with self.fs.open_input_file(path) as src:
                 return src.read_buffer()
-        except (FileNotFoundError, OSError) as exc:
+        except OSError as exc:
             raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
 
-    def read_checked(self, step: int, expected: WrittenFile) -> pa.Buffer:
-        """Reads a file and checks its size and checksum against the manifest's record.
+    def read_checked(
+        self, step: int, expected: WrittenFile, clock: PhaseClock | None = None
+    ) -> pa.Buffer:
+        """Reads a whole file and checks its size and checksum against the manifest's record;
+        ``clock`` gets the ``fetch`` and ``verify`` time.
 
         Raises:
             CheckpointCorruptError: missing, truncated, extended or altered; names the file.
         """
-        data = self.read_file(step, expected.path)
         path = self.step_path(step, expected.path)
-        if data.size != expected.bytes:
-            raise CheckpointCorruptError(
-                path, f"size is {data.size} bytes, the manifest says {expected.bytes}"
-            )
-        try:
-            good = checksums.matches(data, expected.checksum)
-        except ValueError as exc:
-            raise CheckpointCorruptError(path, f"manifest entry: {exc}") from exc
-        if not good:
-            algorithm = checksums.algorithm_of(expected.checksum)
-            raise CheckpointCorruptError(path, f"{algorithm} does not match the manifest")
+        with timed(clock, "fetch"):
+            data = self.read_file(step, expected.path)
+        with timed(clock, "verify"):
+            checksums.verify_size(data.size, expected.bytes, path)
+            checksums.verify(data, expected.checksum, path)
         return data
+
+    def open_rows(
+        self,
+        step: int,
+        entry: FileEntry,
+        groups: Sequence[int] | None,
+        clock: PhaseClock | None = None,
+    ) -> CheckedFile:
+        """The footer and row groups ``groups`` of a rows file, fetched and each checked
+        against the manifest's index, ready to decode.
+
+        Local files are memory-mapped: the bytes are checked and later parsed where the page
+        cache holds them, never copied. With ``groups`` None, or for an entry without an index
+        of its own file (``FileEntry.partial_index``), the whole file is read and checked.
+
+        Args:
+            clock: a restore's clock: it gets the ``fetch`` and ``verify`` time.
+
+        Raises:
+            CheckpointCorruptError: the file is missing, has another size than the manifest
+                says, or a range fetched does not match its checksum; names the file.
+        """
+        path = self._inside(step, entry.path)
+        index = entry.partial_index
+        if groups is None or index is None:
+            return whole_file(self.read_checked(step, entry.written, clock), path)
+        with timed(clock, "fetch"):
+            try:
+                source = pa.memory_map(path) if self.is_local else self.fs.open_input_file(path)
+            except (OSError, pa.ArrowException) as exc:
+                raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
+        try:
+            checksums.verify_size(source.size(), entry.bytes, path)
+        except BaseException:
+            source.close()
+            raise
+        return open_ranges(source, path, entry.bytes, index, groups, clock)
+
+    def _inside(self, step: int, relative: str) -> str:
+        """The full path of a file a manifest names, refused if the name leaves the step
+        folder (``storage/paths.py``)."""
+        path = self.step_path(step, relative)
+        problem = path_problem(relative)
+        if problem is not None:
+            raise CheckpointCorruptError(path, problem)
+        return path

@@ -18,12 +18,20 @@ from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
-from embckpt.storage.fs import WrittenFile
 from embckpt.storage.paths import path_problem
 
 FORMAT_VERSION = 2
 """2: CRC32C file checksums and float payloads as Parquet float lists (docs/ARCHITECTURE.md)."""
 READABLE_VERSIONS = (1, 2)
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the writer of a file knows about it: the manifest's record of it."""
+
+    path: str  # relative to the step folder
+    bytes: int
+    checksum: str  # see storage/checksum.py: CRC32C, or SHA-256 in format-1 manifests
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 import pyarrow.fs as pafs
 
 from embckpt.storage.chain import load_manifests, needed_steps
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore, step_dir_name
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME, discarded_dir, step_dir_name
 
 log = logging.getLogger(__name__)
-
-DISCARDED_DIR = "discarded"
 
 
 def apply_retention(store: CheckpointStore, keep_last: int) -> list[int]:
@@ -62,9 +60,7 @@ def discard_newer(store: CheckpointStore, step: int) -> tuple[list[int], str | N
     if not newer:
         return [], None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    into = (
-        f"{store.root}/{DISCARDED_DIR}/after_{step_dir_name(step)}_{stamp}_{uuid.uuid4().hex[:6]}"
-    )
+    into = f"{store.root}/{discarded_dir(step, stamp)}"
     store.fs.create_dir(into, recursive=True)
     for moved in newer:
         source, target = store.step_path(moved), f"{into}/{step_dir_name(moved)}"

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.chain import chain_steps, load_manifests, missing_parent
-from embckpt.storage.fs import MANIFEST_NAME, CheckpointStore
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 
 
 @dataclass

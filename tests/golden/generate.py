@@ -1,6 +1,6 @@
 """Writes the golden encoded files of one codec format generation (run once, then commit).
 
-Each case is a small Parquet row file written by ``storage.shardfile.encode_file`` with today's
+Each case is a small Parquet row file written by ``storage.rowfile_write.encode_file`` with today's
 encoder, plus the rows it must decode to (``.npy``) and ``index.json`` naming the cases. The
 test (tests/test_codec_golden.py) decodes every file with the current code and compares: a
 change that breaks reading files already on disk fails it. Never regenerate an existing
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from embckpt.codecs import Codec, EncodedRows, make_codec
-from embckpt.storage.shardfile import encode_file
+from embckpt.storage.rowfile_write import encode_file
 
 ROWS, COLS = 24, 16
 
@@ -60,7 +60,7 @@ def main(folder: str) -> None:
     index = {}
     for name, (codec_id, options) in CASES.items():
         codec = make_codec(codec_id, options)
-        rows = sample_rows(delta=codec.delta)
+        rows = sample_rows(delta=codec.additive)
         index[name] = write_case(out, name, codec, codec.encode(rows), COLS)
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
 
