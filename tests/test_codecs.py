@@ -11,7 +11,7 @@ import pytest
 import torch
 from codec_roundtrip import encoded_bytes_per_row, round_trip
 
-from embckpt.codecs import Codec, DeltaCodec, codec_from_config, make_codec
+from embckpt.codecs import Codec, DeltaCodec, EncodedRows, codec_from_config, make_codec
 from embckpt.codecs import huffman as hm
 from embckpt.codecs.adaptive import AdaptiveCodec, greedy_ranges, range_loss
 from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes

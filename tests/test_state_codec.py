@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import delta_codec  # noqa: F401  (registers test_delta, an additive codec)
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import delta_codec  # noqa: F401  (registers test_delta, an additive codec)
 from codec_roundtrip import encoded_bytes_per_row, round_trip
 
 from embckpt.codecs import codec_from_config, make_codec
