@@ -9,7 +9,7 @@ talking. New policies (the intermittent predictor) subclass :class:`Policy` and 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -30,6 +30,12 @@ class HistoryRecord(Protocol):
     def bytes(self) -> int: ...
     @property
     def dirty_fraction(self) -> float: ...
+
+
+def assumed_chain_bytes(history: Sequence[HistoryRecord]) -> int:
+    """What a restore of the latest checkpoint of ``history`` reads when nobody recorded it:
+    the chain is taken as one-shot, the full plus the latest diff (if any)."""
+    return history[0].bytes + (history[-1].bytes if len(history) > 1 else 0)
 
 
 class PolicySettings(Protocol):
@@ -60,8 +66,7 @@ class PolicyInput:
         history: checkpoints since (and including) the last full one, oldest first; empty when
             there is no full checkpoint to build on.
         chain_bytes: bytes a restore of the latest checkpoint reads (its full and the diffs its
-            parent links pass through); None when unknown (a one-shot chain is then assumed:
-            the full and the latest diff).
+            parent links pass through); None when unknown (:func:`assumed_chain_bytes`).
     """
 
     step: int
@@ -241,7 +246,8 @@ class IntermittentPolicy(Policy):
         rate = 1.0
         if diffs and diffs[-1].dirty_fraction > 0:
             rate = diffs[-1].bytes / full_bytes / diffs[-1].dirty_fraction
-        chain = (stats.chain_bytes or full_bytes + (diffs[-1].bytes if diffs else 0)) / full_bytes
+        known = stats.chain_bytes
+        chain = (known if known is not None else assumed_chain_bytes(stats.history)) / full_bytes
         one_shot = rate * stats.dirty_since_full
         incremental = rate * stats.dirty_since_last
         cost_one_shot = one_shot + w * (1.0 + one_shot)

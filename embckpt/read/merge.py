@@ -80,7 +80,7 @@ class _Source:
 
     step: int
     entry: FileEntry
-    block: RowBatch
+    batch: RowBatch
     compression: dict[str, str]  # Parquet compression of each column, as written
     additive: bool  # the row codec adds to earlier rows
 
@@ -216,18 +216,18 @@ def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source
     """
     data = store.read_checked(step, entry.written)
     path = store.step_path(step, entry.path)
-    block = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
-    if block.elem_states and codec_from_config(block.header["state_codec"]).additive:
+    batch = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
+    if batch.elem_states and codec_from_config(batch.header["state_codec"]).additive:
         raise EmbckptError(
             f"{path}: element-wise optimizer states use an additive codec "
-            f"({block.header['state_codec']}); such a chain cannot be merged exactly"
+            f"({batch.header['state_codec']}); such a chain cannot be merged exactly"
         )
     return _Source(
         step=step,
         entry=entry,
-        block=block,
+        batch=batch,
         compression=_compression(data),
-        additive=codec_from_config(block.header["codec"]).additive,
+        additive=codec_from_config(batch.header["codec"]).additive,
     )
 
 
@@ -242,9 +242,9 @@ def _merge_block(
 ) -> list[FileEntry]:
     """Writes the merged files of one table block: one per source file that still wins rows."""
     sources = [_read_source(store, s, e) for s, e in entries]
-    rows = np.concatenate([s.block.rows for s in sources])
-    owner = np.repeat(np.arange(len(sources)), [len(s.block.rows) for s in sources])
-    local = np.concatenate([np.arange(len(s.block.rows)) for s in sources])
+    rows = np.concatenate([s.batch.rows for s in sources])
+    owner = np.repeat(np.arange(len(sources)), [len(s.batch.rows) for s in sources])
+    local = np.concatenate([np.arange(len(s.batch.rows)) for s in sources])
     latest = _latest_rows(rows)
     win_owner, win_local = owner[latest], local[latest]
     winning = [i for i in range(len(sources)) if np.any(win_owner == i)]
@@ -258,7 +258,7 @@ def _merge_block(
         picked = win_local[win_owner == i]  # ascending: a file's rows are sorted by row id
         weights = None
         if rebuilt is not None and source.additive:
-            weights = rebuilt[torch.from_numpy(source.block.rows[picked] - key[1])]
+            weights = rebuilt[torch.from_numpy(source.batch.rows[picked] - key[1])]
         data = _encode_winners(source, picked, weights, row_group_rows)
         table_name, row_off, col_off, _, _ = key
         relative = merged_rows_file(prefix, table_name, row_off, col_off, source.step, i)
@@ -328,18 +328,18 @@ def _encode_winners(
     """One Parquet file of the rows ``picked`` (local indices) of ``source``: its encoded bytes
     (weights, optimizer states) under its own metadata and compression, except the rebuilt
     ``weights`` (given for additive codecs), stored ``raw`` in the table's dtype."""
-    block = source.block
+    batch = source.batch
     take = pa.array(picked, type=pa.int64())
-    meta = {k: v for k, v in block.header.items() if k not in _FILE_META}
+    meta = {k: v for k, v in batch.header.items() if k not in _FILE_META}
     if weights is not None:
         raw = make_codec("raw")
         encoded = raw.encode(weights)
         meta["codec"] = raw.get_config()
     else:
-        columns = {name: col.take(take) for name, col in block.encoded.columns.items()}
+        columns = {name: col.take(take) for name, col in batch.encoded.columns.items()}
         kept = {c: source.compression[c] for c in columns}
-        encoded = EncodedRows(columns=columns, metadata=block.encoded.metadata, compression=kept)
-    elem_states = {name: _take(state, take) for name, state in block.elem_states.items()}
+        encoded = EncodedRows(columns=columns, metadata=batch.encoded.metadata, compression=kept)
+    elem_states = {name: _take(state, take) for name, state in batch.elem_states.items()}
     state_compression = {
         c: v
         for c, v in source.compression.items()
@@ -348,9 +348,9 @@ def _encode_winners(
     encoded = dataclasses.replace(encoded, compression={**encoded.compression, **state_compression})
     row_states = {
         name: values[picked] if isinstance(values, np.ndarray) else _take(values, take)
-        for name, values in block.row_states.items()
+        for name, values in batch.row_states.items()
     }
-    return encode_file(block.rows[picked], encoded, row_states, elem_states, meta, row_group_rows)
+    return encode_file(batch.rows[picked], encoded, row_states, elem_states, meta, row_group_rows)
 
 
 def _take(state: EncodedRows, take: pa.Array) -> EncodedRows:

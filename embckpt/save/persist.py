@@ -19,7 +19,7 @@ from typing import Any
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
 from embckpt.errors import SaveError, SaveRankError, as_error
-from embckpt.policy import Decision, Kind
+from embckpt.policy import Decision, Kind, assumed_chain_bytes
 from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit
@@ -251,15 +251,12 @@ def as_save_error(
 
 def chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
     """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
-    up to ``head`` (incremental), or its full alone (one-shot). Manifests without the figure
-    count as one-shot chains (their full and themselves)."""
-    full = head.history[0].bytes
+    up to ``head`` (incremental), or its full alone (one-shot). Manifests
+    without the figure are taken as one-shot chains (``policy.assumed_chain_bytes``)."""
     if view is View.SINCE_FULL:
-        return full
+        return head.history[0].bytes
     known = head.stats.get("chain_bytes")
-    if isinstance(known, int):
-        return known
-    return full if head.kind == "full" else full + head.history[-1].bytes
+    return known if isinstance(known, int) else assumed_chain_bytes(head.history)
 
 
 def _parent(head: Manifest, decision: Decision) -> int:

@@ -35,7 +35,7 @@ from embckpt.codecs import Codec, EncodedRows
 
 
 @dataclass(frozen=True)
-class _BasePiece:
+class _BaseRows:
     """One file's worth of a full checkpoint's rows of a block: sorted local rows, encoded."""
 
     rows: np.ndarray
@@ -69,7 +69,7 @@ class ReconstructedRows:
     """Per block, what a restore of the latest chain reproduces; host memory only."""
 
     def __init__(self) -> None:
-        self._base: dict[str, list[_BasePiece]] = {}
+        self._base: dict[str, list[_BaseRows]] = {}
         self._shapes: dict[str, tuple[int, int]] = {}
         self._overlay: dict[str, _Overlay] = {}
         self._lock = threading.Lock()
@@ -106,9 +106,9 @@ class ReconstructedRows:
             {name: pa.concat_arrays([c, c.slice(0, 0)]) for name, c in encoded.columns.items()},
             encoded.metadata,
         )
-        piece = _BasePiece(local_rows.cpu().numpy(), codec, owned)
+        part = _BaseRows(local_rows.cpu().numpy(), codec, owned)
         with self._lock:
-            self._base.setdefault(key, []).append(piece)
+            self._base.setdefault(key, []).append(part)
             self._shapes[key] = shape
 
     def rows(self, key: str, local_rows: torch.Tensor, chain: bool = True) -> torch.Tensor:
@@ -116,24 +116,24 @@ class ReconstructedRows:
         of the chain so far, or with ``chain=False`` of the base full alone."""
         wanted = local_rows.cpu().numpy()
         with self._lock:
-            pieces = list(self._base.get(key, ()))
+            parts = list(self._base.get(key, ()))
             overlay = self._overlay.get(key) if chain else None
             shape = self._shapes.get(key)
         if shape is None:
             raise KeyError(f"block {key}: no full checkpoint to reconstruct it from")
         out = torch.zeros((len(wanted), shape[1]), dtype=torch.float32)
         found = np.zeros(len(wanted), dtype=bool)
-        for piece in pieces:
-            at = np.clip(np.searchsorted(piece.rows, wanted), 0, max(len(piece.rows) - 1, 0))
-            hit = np.flatnonzero(piece.rows[at] == wanted) if len(piece.rows) else at[:0]
+        for part in parts:
+            at = np.clip(np.searchsorted(part.rows, wanted), 0, max(len(part.rows) - 1, 0))
+            hit = np.flatnonzero(part.rows[at] == wanted) if len(part.rows) else at[:0]
             if not len(hit):
                 continue
             take = pa.array(at[hit])
             subset = EncodedRows(
-                {name: column.take(take) for name, column in piece.encoded.columns.items()},
-                piece.encoded.metadata,
+                {name: column.take(take) for name, column in part.encoded.columns.items()},
+                part.encoded.metadata,
             )
-            out[torch.from_numpy(hit)] = piece.codec.decode(subset, shape[1]).float()
+            out[torch.from_numpy(hit)] = part.codec.decode(subset, shape[1]).float()
             found[hit] = True
         if not found.all():
             missing = wanted[~found][:5].tolist()

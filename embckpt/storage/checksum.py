@@ -10,7 +10,7 @@ CRC32C is used because hashing is on the critical path of every save and restore
 memory speed where SHA-256 managed about 1.5 GB/s per core, and an object store that computes
 the same CRC32C on upload can check the bytes end to end. It guards against corruption, not
 against an adversary who can also edit the manifest (neither did SHA-256 without a signed
-manifest). :func:`combine` derives a whole file's CRC from the CRCs of its consecutive pieces,
+manifest). :func:`combine` derives a whole file's CRC from the CRCs of its consecutive parts,
 so a writer reads each byte once.
 """
 

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -26,7 +27,9 @@ from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_o
 from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.paths import path_problem
 from embckpt.storage.phases import PhaseClock, timed
-from embckpt.storage.rowfile_read import CheckedFile, open_ranges, whole_file
+
+if TYPE_CHECKING:
+    from embckpt.storage.rowfile_read import CheckedFile
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +355,10 @@ class CheckpointStore:
             CheckpointCorruptError: the file is missing, has another size than the manifest
                 says, or a range fetched does not match its checksum; names the file.
         """
+        # Imported here: decoding needs the codecs (torch), which verify, inspect and the
+        # report never load.
+        from embckpt.storage.rowfile_read import open_ranges, whole_file
+
         path = self._inside(step, entry.path)
         index = entry.partial_index
         if groups is None or index is None:
