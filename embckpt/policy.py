@@ -44,9 +44,10 @@ class PolicySettings(Protocol):
 
 
 class Kind(str, Enum):
+    """A checkpoint's kind, as the manifest's ``kind`` field spells it."""
+
     FULL = "full"
     DIFF = "diff"
-    SKIP = "skip"
 
 
 @dataclass(frozen=True)

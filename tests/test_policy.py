@@ -36,6 +36,11 @@ def test_one_shot_diffs_against_the_full_and_incremental_against_the_last() -> N
     assert _decide("full", 0, 3).kind is Kind.FULL
 
 
+def test_kinds_are_the_manifest_kinds() -> None:
+    """A policy decides a full or a diff: the two ``kind`` values a manifest holds."""
+    assert [k.value for k in Kind] == ["full", "diff"]
+
+
 @pytest.mark.parametrize("policy", ["one_shot", "incremental"])
 def test_full_every_k(policy: str) -> None:
     # After a full checkpoint, K-1 diffs, then a full one again.

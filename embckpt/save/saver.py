@@ -121,9 +121,6 @@ class Saver:
             transaction.roll_back()
             raise
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        if decision.kind is Kind.SKIP:
-            future.set_result(None)
-            return PendingCheckpoint(step, future)
         handle = PendingCheckpoint(step, future, transaction)
         clock = PhaseClock()
         self.ctx.store.clock = clock  # the store's writes report their write and fsync time
@@ -226,8 +223,7 @@ class Saver:
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
-        if decision.kind is not Kind.SKIP:
-            transaction.decided(decision, self.codec.delta, ctx.policy.mixes_diffs)
+        transaction.decided(decision, self.codec.delta, ctx.policy.mixes_diffs)
         return decision, dirty
 
     def mark_moving_rows(self) -> None:
