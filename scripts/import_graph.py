@@ -165,6 +165,8 @@ def violations(imports: list[Import]) -> list[str]:
             rule = "storage imports only storage, codecs.base, errors and dtypes"
         elif _within(src, "policy", "sharding", "tracking") and _within(tgt, "storage", "codecs"):
             rule = "policy, sharding and tracking import neither storage nor codecs"
+        elif _within(src, "policy") and _within(tgt, "tracking"):
+            rule = "policy does not import tracking (save/saver.py maps a diff to a tracker view)"
         elif _within(src, *CORE) and _within(tgt, *UPPER):
             rule = "core modules never import save/, read/, report/, checkpointer, cli, examples/"
         elif _within(src, "save", "read") and _within(tgt, "checkpointer", "cli", "examples"):

@@ -41,7 +41,11 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         ),
         "errors.py": "",
         "checkpointer.py": "from embckpt.read import restore\n",
-        "policy.py": "from embckpt.storage.manifest import HistoryEntry\n",
+        "policy.py": (
+            "from embckpt.storage.manifest import HistoryEntry\n"
+            "def f():\n    from embckpt.tracking import View\n"
+        ),
+        "tracking.py": "",
         "cli.py": "",
         "codecs/__init__.py": "from embckpt.config import CheckpointConfig\n",
         "codecs/testing.py": "from embckpt.storage.manifest import Manifest\n",
@@ -72,6 +76,7 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "report/ imports only",
         "examples/ use only the public API",
         "nothing imports cli",
+        "policy does not import tracking",
     ):
         assert rule in broken, rule
     # The package's facade is bound too: exporting from examples/ is an arrow back up.

@@ -57,6 +57,12 @@ from embckpt.tracking import View
 __all__ = ["PendingCheckpoint", "Saver"]
 
 
+def tracker_view(decision: Decision) -> View:
+    """The tracker view whose rows a diff writes: where a policy's decision meets the tracker
+    (the policy knows diffs by :class:`~embckpt.policy.DiffBase`, not by tracker views)."""
+    return View.SINCE_FULL if decision.one_shot else View.SINCE_LAST
+
+
 class Saver:
     """Takes checkpoints of one model: owns the :class:`SaveState` every save changes, the
     writer, the staging arena and the persist thread.
@@ -282,7 +288,7 @@ class Saver:
         """Stages what the checkpoint writes. Nothing here raises: an error is kept in the
         snapshot and reported on every rank by the persist (a rank that raised here alone would
         leave the others waiting in a collective)."""
-        fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
+        fraction = 1.0 if decision.kind is Kind.FULL else dirty[tracker_view(decision)]
         snapshot = Snapshot(
             step=step,
             decision=decision,
@@ -324,7 +330,7 @@ class Saver:
                 rows = torch.arange(shard.num_rows, device=shard.weight.device)
                 selected.append((shard, rows, True))
             else:
-                rows = tracker.dirty(shard.key, decision.view or View.SINCE_LAST)
+                rows = tracker.dirty(shard.key, tracker_view(decision))
                 selected.append((shard, rows, False))
         snapshot.transaction.take_bits()
         with snapshot.clock.time("snapshot"):

@@ -26,7 +26,6 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import timed
 from embckpt.storage.shardfile import encode_file, index_file, row_state_columns
-from embckpt.tracking import View
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,7 @@ class RowFileWriter:
             encoded = base.encode(block.weights)
             self.reference.set_base(key, (shard.num_rows, cols), rows, base, encoded)
             return [_Part(base, encoded, restored=_decoded(base, encoded, cols, capture))]
-        one_shot = decision.view is View.SINCE_FULL
+        one_shot = decision.one_shot
         reference = self.reference.rows(key, rows, chain=not one_shot)
         # The chain goes on from this diff (edits.reference is set): incremental diffs always,
         # one-shot ones when incremental diffs may follow (the policy mixes them).
