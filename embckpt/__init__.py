@@ -15,6 +15,7 @@ holds the storage-cost reports.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 # name -> module that defines it
@@ -27,7 +28,9 @@ _EXPORTS = {
     "ChainIncompleteError": "embckpt.errors",
     "CheckpointCorruptError": "embckpt.errors",
     "ConfigError": "embckpt.errors",
+    "DirectoryLockedError": "embckpt.errors",
     "EmbckptError": "embckpt.errors",
+    "LeaseLostError": "embckpt.errors",
     "ModelMismatchError": "embckpt.errors",
     "RankError": "embckpt.errors",
     "RestoreError": "embckpt.errors",
@@ -44,8 +47,12 @@ _EXPORTS = {
     "Manifest": "embckpt.storage.manifest",
     "VerifyReport": "embckpt.storage.verify",
     "verify": "embckpt.storage.verify",
-    # The example workload's settings, kept importable from here for scripts written before
-    # they moved to embckpt.examples.
+}
+
+# Deprecated names -> the module that defines them now. The example workload's settings are no
+# part of the library, which does not depend on examples/: ``embckpt.DemoConfig`` still
+# resolves, with a DeprecationWarning naming the import to use, and loads examples/ only then.
+_MOVED = {
     "DemoConfig": "embckpt.examples.workload",
     "WorkloadConfig": "embckpt.examples.workload",
 }
@@ -57,8 +64,9 @@ __all__ = [
     "CheckpointStore",
     "Checkpointer",
     "ConfigError",
-    "DemoConfig",
+    "DirectoryLockedError",
     "EmbckptError",
+    "LeaseLostError",
     "Manifest",
     "ModelMismatchError",
     "PendingCheckpoint",
@@ -71,7 +79,6 @@ __all__ = [
     "SaveRankError",
     "UnknownCodecError",
     "VerifyReport",
-    "WorkloadConfig",
     "export_dcp",
     "export_safetensors",
     "load_yaml",
@@ -83,6 +90,14 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _MOVED:
+        warnings.warn(
+            f"embckpt.{name} is deprecated and will be removed: "
+            f"use `from {_MOVED[name]} import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
     if module is None:
         raise AttributeError(f"module 'embckpt' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -102,7 +117,9 @@ if TYPE_CHECKING:
         ChainIncompleteError,
         CheckpointCorruptError,
         ConfigError,
+        DirectoryLockedError,
         EmbckptError,
+        LeaseLostError,
         ModelMismatchError,
         RankError,
         RestoreError,
@@ -111,7 +128,6 @@ if TYPE_CHECKING:
         SaveRankError,
         UnknownCodecError,
     )
-    from embckpt.examples.workload import DemoConfig, WorkloadConfig
     from embckpt.read.export import export_dcp, export_safetensors, reconstruct
     from embckpt.read.merge import merge
     from embckpt.read.restore import RestoreResult

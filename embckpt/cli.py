@@ -1,10 +1,21 @@
 """``embckpt`` command line: demo | inspect | verify | report | merge | restore | export | unlock.
 
-Exit codes: 0 success; 1 a check failed (``verify``, ``restore``) or the demo failed; 2 bad
-usage or input (a missing or empty checkpoint directory, a file given for a directory, an output
-folder that does not exist, a malformed value), reported in one line on stderr, never as a
-traceback. ``--help``, ``inspect``, ``verify`` and ``unlock`` never import torch: they start in
-a fraction of a second on a machine without a GPU.
+Exit codes, one rule for every command:
+
+* 0 - success. ``inspect`` and ``report`` describe what they can read and list what they
+  cannot (``unreadable_manifests``): they succeed on damaged checkpoints; ``verify`` is the check.
+* 1 - the command ran and failed: a check found a problem (``verify``, ``restore``), the
+  checkpoint is corrupt or incomplete (a file missing, truncated or altered, a link of its chain
+  missing) so ``merge``, ``restore`` or ``export`` could not be done, or something else stopped
+  it (another job holds the directory, a file could not be read or written); the demo failed.
+* 2 - bad usage: the command line cannot be run as given: a malformed or missing argument, a
+  checkpoint directory that is missing or holds no checkpoint (``--allow-empty``: 0), a file
+  given for a directory, a ``--step`` that is not a committed checkpoint, an output folder that
+  does not exist, a URI pyarrow cannot open, a bad setting (``demo --config``, ``--policy``).
+
+Failures and usage errors are one line on stderr, never a traceback. ``--help``, ``inspect``,
+``verify`` and ``unlock`` never import torch: they start in a fraction of a second on a machine
+without a GPU.
 
 ``inspect --json`` prints one object (``?`` marks a value that may be null)::
 
@@ -42,7 +53,7 @@ from typing import Any, NoReturn
 
 import pyarrow as pa
 
-from embckpt.errors import EmbckptError
+from embckpt.errors import ConfigError, EmbckptError
 from embckpt.report.build import build_report, format_table
 from embckpt.report.projection import format_projection, parse_duration, parse_size, project
 from embckpt.storage.chain import load_manifests
@@ -69,6 +80,9 @@ CODEC_NAMES = (
 
 class UsageError(EmbckptError, ValueError):
     """A command line the user can fix: exit code 2, one line on stderr."""
+
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 # -- argument types: argparse turns their ArgumentTypeError into a usage message, exit 2 --------
@@ -161,14 +175,31 @@ def _empty(args: argparse.Namespace, store: CheckpointStore, directory: str) -> 
     if store.committed_steps():
         return None
     if getattr(args, "allow_empty", False):
-        return 0
+        return EXIT_OK
     missing = "does not exist" if "://" not in directory and not Path(directory).exists() else ""
     print(
         f"embckpt {args.command}: no checkpoints found in {directory}"
         + (f" ({missing})" if missing else ""),
         file=sys.stderr,
     )
-    return 2
+    return EXIT_USAGE
+
+
+def _committed(store: CheckpointStore, step: int | None) -> None:
+    """A ``--step`` must name a committed checkpoint: another step is a usage error (exit 2).
+    A directory without checkpoints is left to :func:`_empty`.
+
+    Raises:
+        UsageError: ``step`` is not committed; the message lists the committed steps.
+    """
+    if step is None or store.is_committed(step):
+        return
+    committed = store.committed_steps()
+    if committed:
+        raise UsageError(
+            f"--step {step}: step {step} is not committed in {store.uri} "
+            f"(committed steps: {', '.join(map(str, committed))})"
+        )
 
 
 def _leftovers(store: CheckpointStore, steps: list[int]) -> list[dict[str, Any]]:
@@ -257,6 +288,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     directory = _directory(args)
     store = _store(directory)
+    _committed(store, args.step)
     report = verify(store, args.step)
     if args.json:
         doc = {
@@ -279,14 +311,14 @@ def _verify(args: argparse.Namespace) -> int:
     if empty is not None:
         return empty
     if args.json:
-        return 0 if report.ok else 1
+        return EXIT_OK if report.ok else EXIT_FAILED
     steps = ", ".join(map(str, report.checked)) or "none"
     if report.ok:
         checked = f"{len(report.checked)} checkpoints ({steps}), {report.files_checked} files"
         print(f"OK: {checked} checked")
-        return 0
+        return EXIT_OK
     print(f"FAILED: {len(report.problems)} problems; first bad file: {report.problems[0][0]}")
-    return 1
+    return EXIT_FAILED
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -335,6 +367,7 @@ def _merge(args: argparse.Namespace) -> int:
     empty = _empty(args, store, directory)
     if empty is not None:
         return empty
+    _committed(store, args.step)
     manifest = merge(store, args.step)
     sources = manifest.stats.get("merged_from", [args.step])
     print(
@@ -348,12 +381,14 @@ def _restore(args: argparse.Namespace) -> int:
     from embckpt.cli_restore import describe_restore
 
     directory = _directory(args)
-    empty = _empty(args, _store(directory), directory)
+    store = _store(directory)
+    empty = _empty(args, store, directory)
     if empty is not None:
         return empty
+    _committed(store, args.step)
     text, ok = describe_restore(directory, args.step)
     print(text)
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -361,9 +396,11 @@ def _export(args: argparse.Namespace) -> int:
 
     directory = _directory(args)
     out = _output(args.out, "output")
-    empty = _empty(args, _store(directory), directory)
+    store = _store(directory)
+    empty = _empty(args, store, directory)
     if empty is not None:
         return empty
+    _committed(store, args.step)
     if args.to == "dcp":
         model = export_dcp(directory, out, args.step)
     else:
@@ -441,7 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embckpt",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="exit codes: 0 success, 1 a check failed, 2 bad usage or input",
+        epilog=(
+            "exit codes, for every command: 0 success; 1 the command failed (a check found a "
+            "problem, the checkpoint is corrupt or incomplete, a merge, restore or export could "
+            "not be done); 2 bad usage (a malformed argument; a directory, --step or output "
+            "folder that does not exist)"
+        ),
     )
     parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -541,15 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # exits EXIT_USAGE on a malformed argument
     try:
         return int(args.func(args))
-    except EmbckptError as exc:
+    except (UsageError, ConfigError) as exc:  # the command line, or a setting it gives
         print(f"embckpt {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an unreadable input or an unwritable output: the user's to fix
+        return EXIT_USAGE
+    except (EmbckptError, OSError) as exc:  # corrupt or incomplete data, a lock, a failed I/O
         print(f"embckpt {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

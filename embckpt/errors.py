@@ -57,6 +57,14 @@ class RestoreRankError(RestoreError, RankError):
     """Raised on the ranks whose own part of a restore went well while another rank's failed."""
 
 
+class DirectoryLockedError(EmbckptError, RuntimeError):
+    """Another live job holds the checkpoint directory."""
+
+
+class LeaseLostError(EmbckptError, RuntimeError):
+    """This job's lease on the directory expired or was taken over: it must not commit."""
+
+
 class CodecError(EmbckptError, ValueError):
     """Rows a codec cannot encode faithfully (NaN, infinity, out of range), or encoded columns
     that do not match what the codec's metadata describes."""

@@ -15,7 +15,6 @@ from enum import Enum
 from typing import Any, Protocol
 
 from embckpt.errors import ConfigError
-from embckpt.tracking import View
 
 
 class HistoryRecord(Protocol):
@@ -50,9 +49,19 @@ class PolicySettings(Protocol):
 
 
 class Kind(str, Enum):
+    """A checkpoint's kind, as the manifest's ``kind`` field spells it."""
+
     FULL = "full"
     DIFF = "diff"
-    SKIP = "skip"
+
+
+class DiffBase(Enum):
+    """Which rows a diff holds: those changed since the last full checkpoint (a one-shot diff;
+    a restore reads the full and it) or since the previous checkpoint (an incremental diff; a
+    restore reads the whole chain). The saver maps it to the row tracker's view."""
+
+    LAST_FULL = "last_full"
+    PREVIOUS = "previous"
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,18 @@ class PolicyInput:
 
 @dataclass(frozen=True)
 class Decision:
-    """A policy's answer: the kind and, for a diff, the tracker view whose rows it writes."""
+    """A policy's answer: the kind and, for a diff, which rows it holds (a diff without a
+    ``base`` is incremental)."""
 
     kind: Kind
-    view: View | None = None
+    base: DiffBase | None = None
     reason: str = ""
+
+    @property
+    def one_shot(self) -> bool:
+        """A diff of every row changed since the last full: it sits on the full, not on the
+        previous checkpoint."""
+        return self.kind is Kind.DIFF and self.base is DiffBase.LAST_FULL
 
 
 class Policy(abc.ABC):
@@ -125,7 +141,9 @@ class OneShotPolicy(Policy):
     name = "one_shot"
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
-        return Decision(Kind.DIFF, view=View.SINCE_FULL, reason="rows changed since the last full")
+        return Decision(
+            Kind.DIFF, base=DiffBase.LAST_FULL, reason="rows changed since the last full"
+        )
 
 
 class IncrementalPolicy(Policy):
@@ -134,7 +152,7 @@ class IncrementalPolicy(Policy):
     name = "incremental"
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
-        return Decision(Kind.DIFF, view=View.SINCE_LAST, reason="rows changed since the previous")
+        return Decision(Kind.DIFF, base=DiffBase.PREVIOUS, reason="rows changed since the previous")
 
 
 @dataclass(frozen=True)
@@ -223,7 +241,7 @@ class IntermittentPolicy(Policy):
         if self.diffs == "auto":
             return self._decide_mixed(stats)
         if len(stats.history) < 2:
-            return Decision(Kind.DIFF, view=View.SINCE_FULL, reason="first diff after a full")
+            return Decision(Kind.DIFF, base=DiffBase.LAST_FULL, reason="first diff after a full")
         upcoming = None
         last = stats.history[-1]
         if self.rule == "cost" and last.dirty_fraction > 0:
@@ -235,7 +253,7 @@ class IntermittentPolicy(Policy):
         detail = f"keep {keep:.3f} vs full {full:.3f} over {f.horizon} checkpoints"
         if full <= keep:
             return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
-        return Decision(Kind.DIFF, view=View.SINCE_FULL, reason=f"predictor: diff ({detail})")
+        return Decision(Kind.DIFF, base=DiffBase.LAST_FULL, reason=f"predictor: diff ({detail})")
 
     def _decide_mixed(self, stats: PolicyInput) -> Decision:
         """Full, one-shot or incremental: each priced in units of the full checkpoint."""
@@ -252,7 +270,7 @@ class IntermittentPolicy(Policy):
         incremental = rate * stats.dirty_since_last
         cost_one_shot = one_shot + w * (1.0 + one_shot)
         cost_incremental = incremental + w * (chain + incremental)
-        view = View.SINCE_FULL if cost_one_shot <= cost_incremental else View.SINCE_LAST
+        base = DiffBase.LAST_FULL if cost_one_shot <= cost_incremental else DiffBase.PREVIOUS
         upcoming = min(cost_one_shot, cost_incremental)
         # Check-N-Run's forecast over the next i + 1 checkpoints: keeping on costs at least the
         # next diff's price each time; a full now costs itself, then the diffs so far again
@@ -263,8 +281,8 @@ class IntermittentPolicy(Policy):
         detail = f"keep {keep:.3f} vs full {full:.3f} over {horizon} checkpoints"
         if diffs and full <= keep:
             return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
-        kind = "one-shot" if view is View.SINCE_FULL else "incremental"
-        return Decision(Kind.DIFF, view=view, reason=f"predictor: {kind} diff ({detail})")
+        kind = "one-shot" if base is DiffBase.LAST_FULL else "incremental"
+        return Decision(Kind.DIFF, base=base, reason=f"predictor: {kind} diff ({detail})")
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -155,6 +155,66 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
     assert not (missing / "r.png").exists()
 
 
+# One exit-code rule for every command: 1 the command failed (a check found a problem, the
+# checkpoint is corrupt or incomplete), 2 bad usage (what the command line names does not exist).
+def _commands(directory: Path, out: Path, step: int | None) -> dict[str, list[str]]:
+    at = [] if step is None else ["--step", str(step)]
+    return {
+        "verify": ["verify", str(directory), *at],
+        "restore": ["restore", str(directory), *at],
+        "merge": ["merge", str(directory), "--step", str(15 if step is None else step)],
+        "export": ["export", str(directory), *at, "--to", "safetensors", str(out / "m.st")],
+    }
+
+
+@pytest.mark.parametrize("command", ["verify", "restore", "merge", "export"])
+def test_corrupt_data_exits_1(
+    command: str, run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A truncated rows file of the latest checkpoint.
+    directory = run_copy / "one_shot"
+    damaged = _files(directory / STEP_15 / "tables", "*/*.parquet")[0]
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    assert _exit_code(_commands(directory, tmp_path, None)[command]) == 1, command
+    captured = capsys.readouterr()
+    assert damaged.name in captured.out + captured.err, captured
+    assert "Traceback" not in captured.err
+    # A missing link of the chain: step 15 needs step 10, whose manifest is gone.
+    directory = run_copy / "incremental"
+    (directory / "step_000000000010" / "MANIFEST.json").unlink()
+    assert _exit_code(_commands(directory, tmp_path, 15)[command]) == 1, command
+    captured = capsys.readouterr()
+    assert "step_000000000010" in captured.out + captured.err, captured
+    assert not (tmp_path / "m.st").exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "restore", "merge", "export"])
+def test_a_step_that_is_not_committed_is_bad_usage_exits_2(
+    command: str, run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    directory = run_copy / "incremental"
+    (directory / "step_000000000010" / "MANIFEST.json").unlink()  # a leftover now
+    for step in (7, 10):
+        assert _exit_code(_commands(directory, tmp_path, step)[command]) == 2, (command, step)
+        captured = capsys.readouterr()
+        assert f"step {step} is not committed" in captured.err, captured
+        assert "committed steps: 5, 15" in captured.err and captured.out == ""
+    assert not (tmp_path / "m.st").exists()
+
+
+def test_inspect_and_report_describe_damage_and_succeed(
+    run_copy: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """They describe what they can read and list what they cannot; verify is the check."""
+    manifest = run_copy / "one_shot" / STEP_15 / "MANIFEST.json"
+    manifest.write_text(manifest.read_text()[:-20])
+    assert main(["inspect", str(run_copy / "one_shot"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [m["path"] for m in doc["unreadable_manifests"]] == [str(manifest)]
+    assert main(["report", str(run_copy / "one_shot"), "--no-progress"]) == 0
+    assert main(["verify", str(run_copy / "one_shot")]) == 1
+
+
 def test_allow_empty_makes_an_empty_directory_a_success(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -144,17 +144,17 @@ def _mixed_chain(rank: int, world_size: int, root: str) -> dict:
     """Full, one-shot, incremental, incremental, one-shot, incremental: a chain mixing both
     diff kinds (as ``intermittent`` with ``diffs: auto`` writes), with delta diffs."""
     from embckpt import CheckpointConfig, Checkpointer
-    from embckpt.policy import POLICIES, Decision, Kind, Policy
-    from embckpt.tracking import View
+    from embckpt.policy import POLICIES, Decision, DiffBase, Kind, Policy
 
-    views = [View.SINCE_FULL, View.SINCE_LAST, View.SINCE_LAST, View.SINCE_FULL, View.SINCE_LAST]
+    one_shot, incremental = DiffBase.LAST_FULL, DiffBase.PREVIOUS
+    bases = [one_shot, incremental, incremental, one_shot, incremental]
 
     class Scripted(Policy):
         name = "test_mixed"
         mixes_diffs = True
 
         def _decide_diff(self, stats):  # type: ignore[no-untyped-def]
-            return Decision(Kind.DIFF, view=views[len(stats.history) - 1])
+            return Decision(Kind.DIFF, base=bases[len(stats.history) - 1])
 
     POLICIES[Scripted.name] = Scripted
     config = CheckpointConfig(policy="test_mixed", full_every=0, codec="adaptive", bits=4)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from embckpt import CheckpointConfig, ConfigError, DemoConfig, WorkloadConfig, load_yaml
+from embckpt import CheckpointConfig, ConfigError, load_yaml
 from embckpt.config import typed_value
+from embckpt.examples.workload import DemoConfig, WorkloadConfig
 from embckpt.units import parse_duration, parse_size
 
 

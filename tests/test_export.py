@@ -115,7 +115,8 @@ def test_exports_load_into_dcp_and_plain_models(capsys) -> None:
         damaged.write_bytes(damaged.read_bytes()[:-10])
         assert main(["restore", f"{root}/ckpt", "--step", "8"]) == 1
         assert "verify: FAILED" in capsys.readouterr().out
-        assert main(["export", f"{root}/ckpt", "--to", "dcp", f"{root}/dcp2"]) == 2
+        # Corrupt data is a failed command (1), a step that does not exist bad usage (2).
+        assert main(["export", f"{root}/ckpt", "--to", "dcp", f"{root}/dcp2"]) == 1
         assert damaged.name in capsys.readouterr().err
         assert main(["restore", f"{root}/ckpt", "--step", "5"]) == 2
         assert "step 5 is not committed" in capsys.readouterr().err

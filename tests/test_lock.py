@@ -116,6 +116,29 @@ def _check_lease_rules(
     assert not store.fs.get_file_info(f"{store.root}/{LOCK_NAME}").is_file
 
 
+def test_lock_errors_are_public_and_the_ones_the_lock_raises(tmp_path: Path) -> None:
+    """Users catch them from the package; the lock module raises those very classes."""
+    import embckpt
+    import embckpt.storage.lock as lock_module
+    from embckpt import DirectoryLockedError as Locked
+    from embckpt import EmbckptError
+    from embckpt import LeaseLostError as Lost
+
+    assert Locked is DirectoryLockedError is lock_module.DirectoryLockedError
+    assert Lost is LeaseLostError is lock_module.LeaseLostError
+    assert {"DirectoryLockedError", "LeaseLostError"} <= set(embckpt.__all__)
+    for cls in (Locked, Lost):
+        assert issubclass(cls, EmbckptError) and issubclass(cls, RuntimeError)
+        assert cls.__module__ == "embckpt.errors"
+    store = CheckpointStore(tmp_path)
+    _write(store, _foreign(expires_in=300))
+    with pytest.raises(Locked, match="in use by process 4242"):
+        _lock(store).acquire()
+    lock = _lock(store)
+    with pytest.raises(Lost, match="does not hold"):
+        lock.check_held()
+
+
 def test_lease_rules_on_a_local_disk(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,14 @@ import toy_model as tm
 from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.examples.launcher import run_ranks
-from embckpt.policy import IntermittentPolicy, Kind, PolicyInput, bits_for_restores, make_policy
+from embckpt.policy import (
+    DiffBase,
+    IntermittentPolicy,
+    Kind,
+    PolicyInput,
+    bits_for_restores,
+    make_policy,
+)
 from embckpt.storage.chain import needed_steps
 from embckpt.storage.manifest import HistoryEntry, Manifest
 
@@ -62,8 +69,6 @@ def test_intermittent_starts_with_a_full_then_a_diff() -> None:
 
 
 def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> None:
-    from embckpt.tracking import View
-
     auto = IntermittentPolicy(restore_weight=0.05, diffs="auto")
     assert auto.mixes_diffs and not IntermittentPolicy().mixes_diffs
 
@@ -75,11 +80,11 @@ def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> 
 
     # Early in a chain: the rows changed since the full are 4x those since the last: incremental.
     early = decide(3, since_full=0.2, chain=1.15)
-    assert (early.kind, early.view) == (Kind.DIFF, View.SINCE_LAST)
+    assert (early.kind, early.base) == (Kind.DIFF, DiffBase.PREVIOUS)
     # Little changed beyond the last interval's rows: the one-shot diff costs no more to write
     # and restores from the full alone.
     settled = decide(3, since_full=0.05, chain=1.15)
-    assert (settled.kind, settled.view) == (Kind.DIFF, View.SINCE_FULL)
+    assert (settled.kind, settled.base) == (Kind.DIFF, DiffBase.LAST_FULL)
     # A long chain: restores would read it all; the forecast takes a full.
     assert decide(30, since_full=0.6, chain=2.5).kind is Kind.FULL
     # With restores weightless, keep-on writes less than a full for as long as in the replay.

@@ -6,7 +6,7 @@ import pytest
 
 from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError, UnknownCodecError
-from embckpt.policy import Kind, PolicyInput, make_policy
+from embckpt.policy import DiffBase, Kind, PolicyInput, make_policy
 from embckpt.storage.manifest import HistoryEntry
 
 
@@ -31,9 +31,16 @@ def test_first_checkpoint_is_full(policy: str) -> None:
 
 def test_one_shot_diffs_against_the_full_and_incremental_against_the_last() -> None:
     assert _decide("one_shot", 0, 3).kind is Kind.DIFF
-    assert _decide("one_shot", 0, 3).view == "since_full"
-    assert _decide("incremental", 0, 3).view == "since_last"
+    assert _decide("one_shot", 0, 3).base is DiffBase.LAST_FULL
+    assert _decide("one_shot", 0, 3).one_shot
+    assert _decide("incremental", 0, 3).base is DiffBase.PREVIOUS
+    assert not _decide("incremental", 0, 3).one_shot
     assert _decide("full", 0, 3).kind is Kind.FULL
+
+
+def test_kinds_are_the_manifest_kinds() -> None:
+    """A policy decides a full or a diff: the two ``kind`` values a manifest holds."""
+    assert [k.value for k in Kind] == ["full", "diff"]
 
 
 @pytest.mark.parametrize("policy", ["one_shot", "incremental"])

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from embckpt import CheckpointConfig, ConfigError, DemoConfig, load_yaml
+from embckpt import CheckpointConfig, ConfigError, load_yaml
+from embckpt.examples.workload import DemoConfig
 from embckpt.storage import fs as fs_module
 from embckpt.storage.fs import CheckpointStore, is_retryable
 

@@ -11,7 +11,7 @@ from embckpt.storage.manifest import Manifest
 
 
 class PendingCheckpoint:
-    """A save in progress. ``wait()`` returns its manifest (None if the policy skipped) or raises
+    """A save in progress. ``wait()`` returns its manifest or raises
     the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread.
 
     Call ``wait()`` from the training thread: it also applies the save's outcome."""

@@ -29,7 +29,6 @@ from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.retention import apply_retention
-from embckpt.tracking import View
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +231,7 @@ class Persister:
                 "phase_rank": slowest,
                 "reason": snapshot.decision.reason,
                 "chain_bytes": total
-                + (0 if full or head is None else chain_bytes(head, snapshot.decision.view)),
+                + (0 if full or head is None else chain_bytes(head, snapshot.decision.one_shot)),
                 "restores": snapshot.restores,
                 "created_unix": time.time(),
             },
@@ -249,11 +248,11 @@ def as_save_error(
     return as_error(SaveError, error, f"step {step}: rank {rank}: {what} failed")
 
 
-def chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
-    """Bytes a restore reads for a diff after ``head`` seen as ``view``'s parent: the whole chain
-    up to ``head`` (incremental), or its full alone (one-shot). Manifests
-    without the figure are taken as one-shot chains (``policy.assumed_chain_bytes``)."""
-    if view is View.SINCE_FULL:
+def chain_bytes(head: Manifest, one_shot: bool = False) -> int:
+    """Bytes a restore reads for a diff after ``head`` besides its own: the whole chain up to
+    ``head`` (incremental), or its full alone (``one_shot``). Manifests without the figure are
+    taken as one-shot chains (``policy.assumed_chain_bytes``)."""
+    if one_shot:
         return head.history[0].bytes
     known = head.stats.get("chain_bytes")
     return known if isinstance(known, int) else assumed_chain_bytes(head.history)
@@ -261,7 +260,7 @@ def chain_bytes(head: Manifest, view: View | None = View.SINCE_LAST) -> int:
 
 def _parent(head: Manifest, decision: Decision) -> int:
     """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
-    return head.base_step if decision.view == View.SINCE_FULL else head.step
+    return head.base_step if decision.one_shot else head.step
 
 
 def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:

@@ -57,6 +57,12 @@ from embckpt.tracking import View
 __all__ = ["PendingCheckpoint", "Saver"]
 
 
+def tracker_view(decision: Decision) -> View:
+    """The tracker view whose rows a diff writes: where a policy's decision meets the tracker
+    (the policy knows diffs by :class:`~embckpt.policy.DiffBase`, not by tracker views)."""
+    return View.SINCE_FULL if decision.one_shot else View.SINCE_LAST
+
+
 class Saver:
     """Takes checkpoints of one model: owns the :class:`SaveState` every save changes, the
     writer, the staging arena and the persist thread.
@@ -121,9 +127,6 @@ class Saver:
             transaction.roll_back()
             raise
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        if decision.kind is Kind.SKIP:
-            future.set_result(None)
-            return PendingCheckpoint(step, future)
         handle = PendingCheckpoint(step, future, transaction)
         clock = PhaseClock()
         mode = self.ctx.config.pipeline
@@ -225,8 +228,7 @@ class Saver:
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
-        if decision.kind is not Kind.SKIP:
-            transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
+        transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
         return decision, dirty
 
     def mark_moving_rows(self) -> None:
@@ -285,7 +287,7 @@ class Saver:
         """Stages what the checkpoint writes. Nothing here raises: an error is kept in the
         snapshot and reported on every rank by the persist (a rank that raised here alone would
         leave the others waiting in a collective)."""
-        fraction = 1.0 if decision.kind is Kind.FULL else dirty[decision.view or View.SINCE_LAST]
+        fraction = 1.0 if decision.kind is Kind.FULL else dirty[tracker_view(decision)]
         snapshot = Snapshot(
             step=step,
             decision=decision,
@@ -327,7 +329,7 @@ class Saver:
                 rows = torch.arange(shard.num_rows, device=shard.weight.device)
                 selected.append((shard, rows, True))
             else:
-                rows = tracker.dirty(shard.key, decision.view or View.SINCE_LAST)
+                rows = tracker.dirty(shard.key, tracker_view(decision))
                 selected.append((shard, rows, False))
         snapshot.transaction.take_bits()
         with snapshot.clock.time("snapshot"):

@@ -94,7 +94,7 @@ class SaveTransaction:
         capture = CaptureEdit() if self.state.reconstruction is not None else None
         reference = None
         if reference_codec and decision.kind is Kind.DIFF:
-            one_shot = decision.view is View.SINCE_FULL
+            one_shot = decision.one_shot
             # The chain goes on from this diff: incremental diffs always, one-shot ones only
             # when incremental diffs may follow them.
             if not one_shot or mixes_diffs:

@@ -27,7 +27,6 @@ from embckpt.storage.layout import rows_file
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.rowfile_write import encode_file, index_file, row_state_columns
-from embckpt.tracking import View
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ class RowFileWriter:
             encoded = base.encode(unit.weights)
             self.reference.set_base(key, (shard.num_rows, cols), rows, base, encoded)
             return [_Part(base, encoded, restored=_decoded(base, encoded, cols, capture))]
-        one_shot = decision.view is View.SINCE_FULL
+        one_shot = decision.one_shot
         reference = self.reference.rows(key, rows, chain=not one_shot)
         # The chain goes on from this diff (edits.reference is set): incremental diffs always,
         # one-shot ones when incremental diffs may follow (the policy mixes them).

@@ -40,7 +40,9 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from embckpt.errors import EmbckptError
+# Defined in embckpt.errors (and exported by embckpt); importable from here as before.
+from embckpt.errors import DirectoryLockedError as DirectoryLockedError
+from embckpt.errors import LeaseLostError as LeaseLostError
 from embckpt.storage.fs import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -48,14 +50,6 @@ log = logging.getLogger(__name__)
 LOCK_NAME = "LOCK"
 DEFAULT_LEASE_S = 60.0
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-
-
-class DirectoryLockedError(EmbckptError, RuntimeError):
-    """Another live job holds the checkpoint directory."""
-
-
-class LeaseLostError(EmbckptError, RuntimeError):
-    """This job's lease on the directory expired or was taken over: it must not commit."""
 
 
 def run_id() -> str | None:
