@@ -327,7 +327,8 @@ def test_unlock_removes_a_held_lock_and_names_its_holder(
     import socket
 
     from embckpt.storage.fs import CheckpointStore
-    from embckpt.storage.lock import LOCK_NAME, DirectoryLock
+    from embckpt.storage.layout import LOCK_NAME
+    from embckpt.storage.lock import DirectoryLock
 
     store = CheckpointStore(tmp_path / "ckpts")
     store.create_root()

@@ -40,7 +40,7 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
             "            'DemoConfig': 'embckpt.examples.demo'}\n"
         ),
         "errors.py": "",
-        "checkpointer.py": "from embckpt.read import restore\n",
+        "checkpointer.py": "from embckpt.read import restore\nimport embckpt.cli_restore\n",
         "policy.py": (
             "from embckpt.storage.manifest import HistoryEntry\n"
             "def f():\n    from embckpt.tracking import View\n"
@@ -53,6 +53,9 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "storage/__init__.py": "",
         "storage/manifest.py": "from embckpt.codecs import make_codec\n",
         "read/__init__.py": "",
+        "read/plan.py": "from embckpt.read.stage import stage\n",
+        "read/stage.py": "from embckpt.save.writer import RowFileWriter\n",
+        "storage/rowfile_read.py": "from embckpt.storage.rowfile_write import encode_file\n",
         "read/restore.py": (
             "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n    from embckpt.checkpointer import Checkpointer\n"
@@ -77,6 +80,10 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "examples/ use only the public API",
         "nothing imports cli",
         "policy does not import tracking",
+        "read/: plan never imports stage",
+        "read/ never imports save/",
+        "share only storage/rowfile.py",
+        "only cli imports cli_restore",
     ):
         assert rule in broken, rule
     # The package's facade is bound too: exporting from examples/ is an arrow back up.

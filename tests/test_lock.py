@@ -18,9 +18,8 @@ import pytest
 
 from embckpt.examples.launcher import free_port
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.layout import DISCARDED_DIR
+from embckpt.storage.layout import DISCARDED_DIR, LOCK_NAME
 from embckpt.storage.lock import (
-    LOCK_NAME,
     DirectoryLock,
     DirectoryLockedError,
     LeaseLostError,

@@ -44,10 +44,10 @@ import pyarrow.fs as pafs
 from embckpt.errors import DirectoryLockedError as DirectoryLockedError
 from embckpt.errors import LeaseLostError as LeaseLostError
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import LOCK_NAME
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = "LOCK"
 DEFAULT_LEASE_S = 60.0
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
