@@ -59,9 +59,9 @@ class CheckpointConfig:
             keep whole rows. The writer keeps the last full's encoded rows in host memory to
             take changes against. False: diffs hold whole rows, as fulls do.
         optimizer_codec: codec of optimizer state: element-wise always, row-wise too unless
-            lossless (``log8``: one byte per value); lossless ``raw`` by default; delta codecs
+            lossless (``log8``: one byte per value); lossless ``raw`` by default; additive codecs
             are refused (a restore copies optimizer state, it never adds to it).
-        base_codec: codec of full checkpoints when ``codec`` is a delta codec (``exponent``):
+        base_codec: codec of full checkpoints when ``codec`` is an additive codec (``exponent``):
             deltas need a base to be deltas against.
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
         max_file_rows: rows per Parquet file; a larger block is split into several files so

@@ -105,7 +105,7 @@ class Policy(abc.ABC):
     """Decides the kind of each checkpoint.
 
     ``mixes_diffs``: whether one-shot diffs may be followed by incremental ones (the writer
-    then keeps what such a chain reconstructs, for delta codecs).
+    then keeps what such a chain reconstructs, for additive codecs).
     """
 
     name: str

@@ -16,7 +16,7 @@ from embckpt.codecs.base import (
 
 @register
 class AddedRaw(Codec):
-    """Stores rows as they are, but declares itself a delta codec: a reader must add them."""
+    """Stores rows as they are, but declares itself an additive codec: a reader must add them."""
 
     codec_id = "test_delta"
     additive = True

@@ -51,7 +51,7 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
                     tm.train_step(model, opt, step, rank, hot=120)
                     if step % 3 == 0:
                         kinds.append(ckpt.save(step).wait().kind)
-                # What the writer believes a restore reproduces (delta codecs only).
+                # What the writer believes a restore reproduces (additive codecs only).
                 reference = {
                     s.key: ckpt.writer.reference.rows(s.key, torch.arange(s.num_rows))
                     for s in ckpt.sharded.writer_shards()

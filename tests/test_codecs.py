@@ -215,7 +215,7 @@ def test_constant_and_zero_rows(codec_id: str) -> None:
     bits = None if codec_id in ("fp16", "bf16") else 4
     decoded = round_trip(_codec(codec_id, bits), x)
     assert torch.equal(decoded[0], torch.zeros(8)), codec_id
-    if codec_id != "exponent":  # a delta codec keeps only the largest buckets
+    if codec_id != "exponent":  # an additive codec keeps only the largest buckets
         for r in (1, 2, 3):
             assert torch.allclose(decoded[r], x[r], rtol=2.0**-7, atol=0), (codec_id, decoded[r])
 
@@ -519,7 +519,7 @@ def test_huffman_shrinks_skewed_symbols() -> None:
 
 
 def test_codec_for_maps_config() -> None:
-    # Quantizers come wrapped in their delta codec, which writes fulls with the codec asked for.
+    # Quantizers come wrapped in their ``delta`` codec, which writes fulls with the codec asked for.
     wrapped = codec_for(CheckpointConfig(codec="adaptive", bits=3, entropy="huffman"))
     assert isinstance(wrapped, DeltaCodec) and wrapped.get_config()["bits"] == 3
     codec = wrapped.whole

@@ -1,5 +1,5 @@
 """Restoring onto another world size and sharding plan (gloo ranks), partial reads that verify
-what they read, delta codecs, and the chain error.
+what they read, additive codecs, and the chain error.
 
 A chain written by 2 ranks under one plan is restored onto 1 rank and onto 4 ranks under other
 plans (table-, row-, column-, table-row-wise and data-parallel tables, each changing type), and
@@ -379,7 +379,7 @@ def test_restore_onto_other_world_sizes_and_plans() -> None:
         assert info["bytes_needed"] < info["bytes_read"] < info["whole_files"], (rank, info)
 
 
-# -- single-process checks: partial reads verify what they use; delta codecs add -----------------
+# -- single-process checks: partial reads verify what they use; additive codecs add ----------
 def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
     from embckpt.codecs import make_codec
     from embckpt.errors import CheckpointCorruptError

@@ -2,7 +2,7 @@
 the chain in order.
 
 Chains are written by hand: one table, every checkpoint under its own random writer plan (row
-and column blocks), diffs of random overlapping rows, row-wise states, raw and delta codecs.
+and column blocks), diffs of random overlapping rows, row-wise states, raw and additive codecs.
 The reference replays them in chain order with numpy, following the "Restoring a step"
 section of docs/ARCHITECTURE.md; the reader restores them onto random target blocks.
 """

@@ -1,7 +1,7 @@
 """Optimizer state through a lossy state codec (``optimizer_codec="log8"``): log8's round trip
 within its relative-error bound (zeros and the batch's extremes exact, non-negative and signed
 batches, empty batches, NaN and infinities refused); row-wise states stored as log8 columns,
-and exactly as before under the lossless default; a delta codec refused for them; a
+and exactly as before under the lossless default; an additive codec refused for them; a
 checkpoint of the toy model saved with log8 restores its states within the bound, its weights
 bit for bit, and merges without quantizing the states again (2 ranks)."""
 

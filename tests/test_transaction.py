@@ -64,7 +64,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         tm.train_step(model, opt, 5, rank, hot=60)  # training goes on from the restored state
         out["after_restore"] = ckpt.save(5).wait().kind
 
-    # 2. A failed full of a delta codec clears the reference: the next save is a full.
+    # 2. A failed full of an additive codec clears the reference: the next save is a full.
     config = CheckpointConfig(policy="incremental", full_every=2, codec="adaptive", bits=4)
     with Checkpointer(model, f"{root}/full", optimizer=opt, config=config) as ckpt:
         kinds = []

@@ -12,7 +12,7 @@
 - ``delta``: a quantizer's diffs as per-row-width changes within the whole-row error budget.
 
 Every codec takes ``entropy`` (``none``, ``huffman``, ``zstd`` or ``lz4``), the stage that
-compresses its payload bytes; see ``common.py``. ``embckpt.save.codec_choice`` builds the codec
+compresses its payload bytes; see ``common.py``. ``embckpt.config.codec_for`` builds the codec
 a ``CheckpointConfig`` names (codecs know nothing of the configuration).
 """
 

@@ -30,8 +30,8 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 
 DEFAULT_TABLE_PREFIX = "sparse_arch.embedding_bag_collection.embedding_bags."
-"""Where a table's weight sits in ``dmp.state_dict()`` when the manifest does not say (files
-written before manifests recorded it): the reference DLRM's collection."""
+"""Where a table's weight sits in ``dmp.state_dict()`` when the manifest does not say (an entry
+without ``fqn``, which format 1 allows): the reference DLRM's collection."""
 _EBC_MARKER = "embedding_bags."
 
 

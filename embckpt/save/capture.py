@@ -2,7 +2,7 @@
 
 embckpt promises that for every committed step N, ``restore(N)`` gives exactly the values the
 writer meant N to hold: for lossless codecs the live state at N; for lossy ones the decoded
-codes (for delta codecs, added to the reference they were taken against). Tests check that
+codes (for additive codecs, added to the reference they were taken against). Tests check that
 promise against this record, which the writer keeps only when asked
 (``Checkpointer.track_reconstruction()``): it costs an fp32 copy of every block the rank writes
 and a decode of every row written.

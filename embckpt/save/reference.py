@@ -1,6 +1,6 @@
-"""The reconstructed rows that delta codecs encode against (LC-Checkpoint's error feedback).
+"""The reconstructed rows that additive codecs encode against (LC-Checkpoint's error feedback).
 
-A delta codec writes ``rows - reference``, where ``reference`` is what a restore of the chain
+An additive codec writes ``rows - reference``, where ``reference`` is what a restore of the chain
 reproduces for those rows so far; the quantization error of one checkpoint then feeds into the
 next delta instead of piling up. The writer keeps that reference for the blocks it writes, and
 nothing is read back from storage:

@@ -227,7 +227,7 @@ class Saver:
         if self.codec.additive and decision.kind is Kind.DIFF and not state.reference.ready:
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart, a restore or a failed full).
-            decision = Decision(Kind.FULL, reason="delta codec: no reconstructed base yet")
+            decision = Decision(Kind.FULL, reason="additive codec: no reconstructed base yet")
         transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
         return decision, dirty
 

@@ -6,9 +6,9 @@ The state a save changes (held by :class:`SaveState`), and what commit and roll-
 - tracker bits (``since_last``; ``since_full`` too for a full): taken, i.e. cleared, at the
   snapshot, so rows touched meanwhile count for the next save. Commit: nothing (the rows are
   written). Roll back: given back (OR-ed into the views).
-- writer's reference, diff of a delta codec: only read; what the diff's rows now reconstruct
+- writer's reference, diff of an additive codec: only read; what the diff's rows now reconstruct
   as goes to a :class:`ReferenceEdit`. Commit: applied. Roll back: dropped.
-- writer's reference, full of a delta codec: rebuilt in place (keeping the old one until the
+- writer's reference, full of an additive codec: rebuilt in place (keeping the old one until the
   commit would double its memory at every full). Commit: kept. Roll back: cleared, so the
   next save is a full.
 - chain head (its history is the policy's input; the next diff's parent and
@@ -89,7 +89,7 @@ class SaveTransaction:
 
     def decided(self, decision: Decision, reference_codec: bool, mixes_diffs: bool) -> None:
         """Records the decision; ``reference_codec``: the codec encodes against the writer's
-        reference (delta codecs)."""
+        reference (additive codecs)."""
         self.decision = decision
         capture = CaptureEdit() if self.state.reconstruction is not None else None
         reference = None

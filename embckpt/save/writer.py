@@ -1,7 +1,7 @@
 """Row files: staged units encoded and written as Parquet, several at a time.
 
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
-writes one file per unit in parallel. Delta codecs (``delta``, ``exponent``) encode against the
+writes one file per unit in parallel. Additive codecs (``delta``, ``exponent``) encode against the
 writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the
 whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and rebuild it,
 incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base. A diff's
@@ -34,7 +34,7 @@ class WriteEdits:
     """Where one save's writes record their changes to state outside the files.
 
     Attributes:
-        reference: a diff of a delta codec: what its rows now reconstruct as (None otherwise:
+        reference: a diff of an additive codec: what its rows now reconstruct as (None otherwise:
             a full rebuilds the reference in place, see ``save/reference.py``).
         capture: what each file restores to, when the writer's reconstruction is tracked.
     """
@@ -63,7 +63,7 @@ class RowFileWriter:
         store: the checkpoint directory.
         state_codec: codec of optimizer state (element-wise; row-wise too when lossy;
             lossless by default).
-        base_codec: codec of full checkpoints when the row codec is a delta codec.
+        base_codec: codec of full checkpoints when the row codec is an additive codec.
         rank: this rank (recorded in each file's manifest entry).
         row_group_rows: Parquet row-group size.
         threads: files encoded and written at once.
@@ -125,7 +125,7 @@ class RowFileWriter:
     def _encode(
         self, unit: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
     ) -> list[_Part]:
-        """Encodes a unit's rows; delta codecs encode against the reconstruction, and a diff
+        """Encodes a unit's rows; additive codecs encode against the reconstruction, and a diff
         records in ``edits.reference`` what its rows reconstruct as."""
         capture = edits.capture is not None
         cols = unit.unit.shard.num_cols

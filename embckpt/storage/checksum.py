@@ -2,7 +2,7 @@
 
 A checksum value names its algorithm: ``crc32c:<8 hex digits>`` (CRC-32C, Castagnoli, as S3,
 GCS and iSCSI compute it, hardware-accelerated through ``google_crc32c``), or 64 bare hex digits
-for SHA-256, as manifests written before CRC32C hold them. So a manifest whose files were
+for SHA-256, as format-1 manifests may hold them. So a manifest whose files were
 written at different times (a merge keeps the head's dense files) checks every file with the
 algorithm it was written with.
 

@@ -11,8 +11,8 @@ Another job's lock is taken over when it is expired (clocks of the hosts must ag
 within a lease), when its process is gone from this host, or at once when it names the same
 ``TORCHELASTIC_RUN_ID`` (an elastic restart of the same job, whose rank 0 may land on another
 node); ``torchrun``'s default run id ``none`` names no job. A live lease is refused, naming its
-holder and its expiry. Locks written before leases existed (no ``expires``) count as expired one
-lease after their ``since``, unless their process is known alive on this host. Several
+holder and its expiry. A lock without ``expires`` (either form is read) counts as expired one
+lease after its ``since``, unless its process is known alive on this host. Several
 checkpointers of one process share one lease.
 
 Exclusion. On local disks (and NFS) a lock is created whole under a temporary name and

@@ -3,9 +3,10 @@
 Rank 0 writes it last, after every rank reported its files. It is versioned JSON that carries its
 own SHA-256 (over the canonical JSON of everything else; the manifest is small, so its
 checksum stays SHA-256), so an edited or truncated manifest is caught before anything it lists
-is trusted. File checksums are CRC32C (``checksum_algorithm``, see ``storage/checksum.py``);
-manifests written before it carry SHA-256 values under the keys ``sha256``, ``file_sha256`` and
-``footer_sha256``, which :meth:`Manifest.from_json` reads into the same fields.
+is trusted. File checksums are either CRC32C (``checksum_algorithm``, see
+``storage/checksum.py``) or, in format-1 manifests without ``checksum_algorithm``, SHA-256
+values under the keys ``sha256``, ``file_sha256`` and ``footer_sha256``, which
+:meth:`Manifest.from_json` reads into the same fields.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ class FileEntry:
     which block of the table the file's rows belong to: global rows
     [row_offset, row_offset + shard_rows) and columns [col_offset, col_offset + shard_cols).
 
-    Optional fields, added within format version 1 (older manifests lack them): ``fqn``, the
-    table weight's key in the writer's ``model.state_dict()``; ``index``, the per-row-group
-    checksums that let a reader fetch and verify only the row groups it needs (without it, a
-    reader fetches and checks the whole file). ``checksum`` was ``sha256`` before CRC32C.
+    Optional fields (a format-1 manifest may lack them): ``fqn``, the table weight's key in the
+    writer's ``model.state_dict()``; ``index``, the per-row-group checksums that let a reader
+    fetch and verify only the row groups it needs (without it, a reader fetches and checks the
+    whole file). ``checksum`` is spelled ``sha256`` in format-1 manifests that hold SHA-256.
     """
 
     path: str
@@ -257,7 +258,7 @@ def _file_entry(body: Mapping[str, Any]) -> FileEntry:
 
 
 def _legacy(body: Mapping[str, Any], key: str, old_key: str) -> Any:
-    """``body[key]``, or ``body[old_key]`` in manifests written before CRC32C."""
+    """``body[key]``, or ``body[old_key]`` (the SHA-256 spelling of format-1 manifests)."""
     return body[key] if key in body else body[old_key]
 
 
