@@ -15,12 +15,18 @@ Pipeline of one ``save(step)`` (every rank calls it together):
               the last piece's copy also runs in the background, and the next weight update
               (the fused backward, the dense optimizer step) waits for it. An error here is
               kept for the persist, which reports it on every rank;
-4. persist  - in the background (:mod:`embckpt.save.persist`): encode and write Parquet files
-              and the dense files, agree across ranks, rank 0 writes the manifest last, which
-              commits the checkpoint; ranks agree again, then rank 0 applies retention;
-5. resolve  - the training thread applies the outcome at its next save, restore, ``wait()`` or
+4. encode   - in the background, on the persist thread (:mod:`embckpt.save.persist`): the
+              staged rows through the codec into Parquet files, the dense state into
+              safetensors;
+5. write    - the files, each checksummed and indexed, retried on transient errors;
+6. commit   - ranks agree, rank 0 writes the manifest last, which commits the checkpoint; ranks
+              agree again, then rank 0 applies retention;
+7. resolve  - the training thread applies the outcome at its next save, restore, ``wait()`` or
               ``close()``: committed, the staged changes take effect; failed, they are rolled
               back on every rank and rank 0 has deleted the step's files.
+
+The timed phases (``storage/phases.py``) are snapshot, encode, write and commit, with write's
+checksums (``hash``) and ``fsync`` timed apart.
 
 ``save`` returns after step 3.
 """

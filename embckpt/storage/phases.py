@@ -7,6 +7,10 @@ threads, of the wall time spent in it.
 Phases nest (a file write times its checksum, and inside it the write and the fsync); a phase
 counts only its own time, never that of the phases nested inside it, so the figures add up to
 the threads' busy time without double counting.
+
+The names are the flows' own (docs/ARCHITECTURE.md): a save's snapshot, encode, write (its
+checksums timed apart as ``hash``, its fsyncs as ``fsync``) and commit; a restore's plan, fetch,
+verify, decode and apply.
 """
 
 from __future__ import annotations
