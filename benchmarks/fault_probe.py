@@ -224,10 +224,10 @@ def _probe_in_process(rank: int, world_size: int, root: str, model_name: str, fa
     with Checkpointer(model, f"{root}/run", optimizer=opt, config=config) as ckpt:
         real = ckpt.store.write_file
 
-        def failing(step: int, relative: str, *args: Any) -> Any:
+        def failing(step: int, relative: str, *args: Any, **timing: Any) -> Any:
             if fail and rank == 0 and step == 2 and relative.startswith("dense/model"):
                 raise OSError(f"injected: cannot write {relative} of step {step}")
-            return real(step, relative, *args)
+            return real(step, relative, *args, **timing)
 
         ckpt.store.write_file = failing
         for step in (1, 2, 3):

@@ -40,8 +40,8 @@ def _arm(ckpt, point: str, nth: int) -> None:
         failpoints.arm("save.stage", nth=nth, action=_die)
     elif point == "between_files":
 
-        def after_file(step, relative, data, *checksum):
-            written = write_file(step, relative, data, *checksum)
+        def after_file(step, relative, data, *checksum, **timing):
+            written = write_file(step, relative, data, *checksum, **timing)
             if hit():
                 _die()
             return written
@@ -49,7 +49,7 @@ def _arm(ckpt, point: str, nth: int) -> None:
         store.write_file = after_file
     else:
 
-        def atomic(path, data):
+        def atomic(path, data, **timing):
             is_manifest = path.endswith(MANIFEST_NAME)
             if point == "mid_file" and not is_manifest and hit():
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -58,7 +58,7 @@ def _arm(ckpt, point: str, nth: int) -> None:
                 _die()
             if point == "before_manifest" and is_manifest and hit():
                 _die()
-            write_atomic(path, data)
+            write_atomic(path, data, **timing)
             if point == "after_manifest" and is_manifest and hit():
                 _die()
 

@@ -38,11 +38,11 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     real_write = ckpt.store.write_file
     calls = {"n": 0}
 
-    def failing_write(step, relative, data, *checksum):
+    def failing_write(step, relative, data, *checksum, **timing):
         calls["n"] += 1
         if rank == 1 and calls["n"] == 2:
             raise OSError("injected: disk went away")
-        return real_write(step, relative, data, *checksum)
+        return real_write(step, relative, data, *checksum, **timing)
 
     ckpt.store.write_file = failing_write
     out["failed_save"] = tm.raised(lambda: ckpt.save(15).wait())

@@ -228,13 +228,13 @@ def _merge_and_die(directory: str, step: int, point: str, nth: int) -> None:
 
     write_file, write_atomic = store.write_file, store.write_atomic
 
-    def file_then_die(step: int, relative: str, data: Any, *checksum: Any) -> Any:
-        written = write_file(step, relative, data, *checksum)
+    def file_then_die(step: int, relative: str, data: Any, *checksum: Any, **timing: Any) -> Any:
+        written = write_file(step, relative, data, *checksum, **timing)
         if point == "file" and hit():
             os.kill(os.getpid(), signal.SIGKILL)
         return written
 
-    def atomic(path: str, data: Any) -> None:
+    def atomic(path: str, data: Any, **timing: Any) -> None:
         is_manifest = path.endswith(MANIFEST_NAME)
         if point == "partial" and not is_manifest and hit():
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -243,7 +243,7 @@ def _merge_and_die(directory: str, step: int, point: str, nth: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if point == "manifest" and is_manifest and hit():
             os.kill(os.getpid(), signal.SIGKILL)
-        write_atomic(path, data)
+        write_atomic(path, data, **timing)
 
     store.write_file = file_then_die  # type: ignore[method-assign]
     store.write_atomic = atomic  # type: ignore[method-assign]

@@ -20,9 +20,9 @@ from embckpt.save.staging import StagingArena
 def _slow_writes(ckpt, seconds: float) -> None:
     real = ckpt.store.write_file
 
-    def slow(step, relative, data, *checksum):
+    def slow(step, relative, data, *checksum, **timing):
         time.sleep(seconds)
-        return real(step, relative, data, *checksum)
+        return real(step, relative, data, *checksum, **timing)
 
     ckpt.store.write_file = slow
 
@@ -71,10 +71,10 @@ def _state_at_save_is_what_restores(rank: int, world_size: int, root: str) -> di
     ckpt.save(1).wait()
     real = ckpt.store.write_file
 
-    def failing(step, relative, data, *checksum):
+    def failing(step, relative, data, *checksum, **timing):
         if step in (2, 3):
             raise OSError(f"injected at step {step}")
-        return real(step, relative, data, *checksum)
+        return real(step, relative, data, *checksum, **timing)
 
     ckpt.store.write_file = failing
     tm.train_step(model, opt, 2, rank)

@@ -446,7 +446,7 @@ def test_partial_read_checks_only_and_all_of_what_it_reads() -> None:
                 read_indexed(fetch_from(bytes(damaged)), len(good), index, groups, "f", lo, hi)
         else:
             read_indexed(fetch_from(bytes(damaged)), len(good), index, groups, "f", lo, hi)
-    with pytest.raises(CheckpointCorruptError, match="truncated"):
+    with pytest.raises(CheckpointCorruptError, match=r"f: (cannot read bytes|bytes) \d+\+\d+"):
         read_indexed(fetch_from(good[: len(good) // 2]), len(good), index, groups, "f", lo, hi)
 
 
