@@ -8,6 +8,10 @@ that the file's codecs are known and decodes its row ids, so what a decode could
 Between checkpoints, :class:`~embckpt.read.plan.Coverage` prunes the older checkpoints' row
 groups and marks the rows each staged file still gives.
 
+What the restore's clock counts here: ``fetch`` is getting the bytes (for memory-mapped local
+files only the mapping: their page-cache reads happen while verifying), ``verify`` the checksums
+and parsing the footer, ``decode`` the row ids.
+
 Staging keeps memory at the encoded bytes of the fetched row groups (none for local files)
 rather than a decoded copy of every row. Committed files are immutable: rewriting one in
 place during a read is outside the contract.
