@@ -1,0 +1,92 @@
+"""``run_ranks`` on the fork server: each rank a fresh process with its own process group and the
+caller's current environment; a rank that raises, dies or hangs fails the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from embckpt.examples.launcher import RankFailed, run_ranks
+
+
+def _identify(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "EMBCKPT_TEST_LAUNCHER")
+    return {
+        "pid": os.getpid(),
+        "env": {name: os.environ.get(name) for name in names},
+        "group": (dist.get_rank(), dist.get_world_size(), int(total)),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _misbehave(rank: int, world_size: int, how: str) -> int:
+    if rank == 1:
+        if how == "raise":
+            raise ValueError("rank 1 gives up")
+        if how == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hang":
+            time.sleep(600)
+    return rank
+
+
+def test_each_rank_is_a_fresh_process_with_the_callers_environment(monkeypatch) -> None:
+    run_ranks(_identify, 2)  # the fork server now runs, with the environment of before
+    monkeypatch.setenv("EMBCKPT_TEST_LAUNCHER", "set after the fork server started")
+    runs = [run_ranks(_identify, 3), run_ranks(_identify, 3)]
+    pids = {r["pid"] for ranks in runs for r in ranks}
+    assert len(pids) == 6 and os.getpid() not in pids
+    for ranks in runs:
+        port = ranks[0]["env"]["MASTER_PORT"]
+        for rank, r in enumerate(ranks):
+            assert r["group"] == (rank, 3, 6)  # a group of this run's ranks only
+            assert r["threads"] == 1
+            assert r["env"] == {
+                "RANK": str(rank),
+                "WORLD_SIZE": "3",
+                "LOCAL_RANK": str(rank),
+                "MASTER_PORT": port,
+                "EMBCKPT_TEST_LAUNCHER": "set after the fork server started",
+            }
+
+
+@pytest.mark.parametrize(
+    "how, match",
+    [("raise", "(?s)rank 1:.*ValueError: rank 1 gives up"), ("die", r"ranks died: \[\(1, -9\)\]")],
+)
+def test_a_rank_that_raises_or_dies_fails_the_run(how: str, match: str) -> None:
+    with pytest.raises(RankFailed, match=match):
+        run_ranks(_misbehave, 2, how)
+
+
+def test_a_rank_that_hangs_fails_the_run_at_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="no result within 1"):
+        run_ranks(_misbehave, 2, "hang", timeout_s=1)
+    assert time.monotonic() - started < 30  # the hung rank was killed, not waited for
+
+
+def test_ranks_start_from_a_script_main(tmp_path) -> None:
+    """Benchmarks call ``run_ranks`` with functions of their ``__main__``."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "from embckpt.examples.launcher import run_ranks\n"
+        "def where(rank, world_size):\n"
+        "    return rank, os.getpid()\n"
+        "if __name__ == '__main__':\n"
+        "    print(run_ranks(where, 2))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("[(0, ") and ", (1, " in done.stdout
