@@ -1,5 +1,6 @@
-"""``run_ranks`` on the fork server: each rank a fresh process with its own process group and the
-caller's current environment; a rank that raises, dies or hangs fails the run."""
+"""``run_ranks`` on the fork server: each rank a fresh process with its own process group, the
+caller's current environment and output descriptors; a rank that raises, dies or hangs fails
+the run."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def _identify(rank: int, world_size: int) -> dict:
         "group": (dist.get_rank(), dist.get_world_size(), int(total)),
         "threads": torch.get_num_threads(),
     }
+
+
+def _speak(rank: int, world_size: int) -> None:
+    for stream, line in ((sys.stdout, "says hello"), (sys.stderr, "warns")):
+        stream.write(f"rank {rank} {line}\n")  # one write: the ranks' lines do not interleave
+        stream.flush()
+    os.write(2, f"rank {rank} writes to descriptor 2\n".encode())
 
 
 def _misbehave(rank: int, world_size: int, how: str) -> int:
@@ -58,6 +66,27 @@ def test_each_rank_is_a_fresh_process_with_the_callers_environment(monkeypatch) 
                 "MASTER_PORT": port,
                 "EMBCKPT_TEST_LAUNCHER": "set after the fork server started",
             }
+
+
+def test_ranks_write_where_the_callers_output_goes_now(tmp_path) -> None:
+    """As spawned ranks did: a test capturing descriptors 1 and 2 (``capfd``) sees the ranks'
+    output, not the descriptors the fork server started with."""
+    run_ranks(_speak, 1)  # the fork server now runs, with the descriptors of before
+    saved = os.dup(1), os.dup(2)
+    out, err = tmp_path / "out", tmp_path / "err"
+    try:
+        with out.open("wb") as out_file, err.open("wb") as err_file:
+            os.dup2(out_file.fileno(), 1)
+            os.dup2(err_file.fileno(), 2)
+            run_ranks(_speak, 2)
+    finally:
+        for fd, kept in zip((1, 2), saved, strict=True):
+            os.dup2(kept, fd)
+            os.close(kept)
+    assert sorted(out.read_text().splitlines()) == ["rank 0 says hello", "rank 1 says hello"]
+    lines = err.read_text().splitlines()
+    for rank in range(2):
+        assert f"rank {rank} warns" in lines and f"rank {rank} writes to descriptor 2" in lines
 
 
 @pytest.mark.parametrize(

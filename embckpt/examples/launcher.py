@@ -4,9 +4,11 @@ Used by the demo, the benchmarks and the multi-rank tests, so all three start ra
 
 Ranks are forked from multiprocessing's fork server, which imports torch, TorchRec and embckpt
 once (``PRELOAD``): a fresh rank then starts in a fraction of a second instead of importing them
-again, as a spawned one would. Each rank is still a new process with its own process group; it
-gets the caller's environment of the moment (the fork server's is that of when it started) and,
-as with spawn, the caller's ``sys.path``, working directory and ``__main__`` module.
+again, as a spawned one would. Each rank is still a new process with its own process group. It
+gets what a spawned rank inherits from its caller at the moment it starts, where a forked one
+would take the fork server's instead (:class:`_Inheritance`): the environment and the stdout and
+stderr descriptors (a test's output capture, a redirection); multiprocessing itself gives it the
+caller's ``sys.path``, working directory and ``__main__`` module.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -63,6 +67,49 @@ def rank_context() -> Any:
     return ctx
 
 
+class _Inheritance:
+    """The caller's environment and stdout and stderr descriptors, sent with a rank as it starts
+    and put in place of the fork server's by :meth:`apply`."""
+
+    def __init__(
+        self, environ: dict[str, str], stdio: tuple[int | None, int | None] = (None, None)
+    ) -> None:
+        self.environ = environ
+        self.stdio = stdio  # in the rank: descriptors to make its 1 and 2 (None: keep)
+
+    @classmethod
+    def of_caller(cls) -> _Inheritance:
+        return cls(dict(os.environ))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Called while the rank starts: DupFd sends the descriptors along with it.
+        sent = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return (_arrive, (self.environ, sent))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for target, stream, fd in ((1, sys.stdout, self.stdio[0]), (2, sys.stderr, self.stdio[1])):
+            if fd is not None:
+                if stream is not None:
+                    stream.flush()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _arrive(environ: dict[str, str], sent: list[Any]) -> _Inheritance:
+    out, err = (None if s is None else s.detach() for s in sent)
+    return _Inheritance(environ, (out, err))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -70,10 +117,9 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
-    environ: dict[str, str],
+    inheritance: _Inheritance,
 ) -> None:
-    os.environ.clear()  # the caller's environment, not the one the fork server started with
-    os.environ.update(environ)
+    inheritance.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -115,11 +161,11 @@ def run_ranks(
     ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
-    environ = dict(os.environ)
+    inheritance = _Inheritance.of_caller()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, results, environ),
+            args=(rank, world_size, port, fn, args, results, inheritance),
             daemon=False,
         )
         for rank in range(world_size)
