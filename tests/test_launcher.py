@@ -1,10 +1,11 @@
 """``run_ranks`` on the fork server: each rank a fresh process with its own process group, the
-caller's current environment and output descriptors; a rank that raises, dies or hangs fails
-the run."""
+caller's current environment and output descriptors and its own random state; a rank that
+raises, dies or hangs fails the run."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,8 +17,11 @@ from embckpt.examples.launcher import RankFailed, run_ranks
 
 
 def _identify(rank: int, world_size: int) -> dict:
+    import numpy as np
     import torch
     import torch.distributed as dist
+
+    from embckpt.storage import fs
 
     total = torch.tensor([rank + 1])
     dist.all_reduce(total)
@@ -27,6 +31,7 @@ def _identify(rank: int, world_size: int) -> dict:
         "env": {name: os.environ.get(name) for name in names},
         "group": (dist.get_rank(), dist.get_world_size(), int(total)),
         "threads": torch.get_num_threads(),
+        "draws": (random.random(), float(np.random.rand()), fs._JITTER.uniform(0, 1)),
     }
 
 
@@ -54,6 +59,8 @@ def test_each_rank_is_a_fresh_process_with_the_callers_environment(monkeypatch) 
     runs = [run_ranks(_identify, 3), run_ranks(_identify, 3)]
     pids = {r["pid"] for ranks in runs for r in ranks}
     assert len(pids) == 6 and os.getpid() not in pids
+    for i in range(3):  # unseeded generators: each rank its own entropy, as when spawned
+        assert len({r["draws"][i] for ranks in runs for r in ranks}) == 6, i
     for ranks in runs:
         port = ranks[0]["env"]["MASTER_PORT"]
         for rank, r in enumerate(ranks):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -129,6 +130,7 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
+    np.random.seed()  # fresh entropy, as a spawned rank had: a fork copies the server's state
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
