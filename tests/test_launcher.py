@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from embckpt.examples.launcher import RankFailed, run_ranks
+from embckpt.examples.launcher import RankFailed, rank_context, run_ranks
 
 
 def _identify(rank: int, world_size: int) -> dict:
@@ -35,11 +36,14 @@ def _identify(rank: int, world_size: int) -> dict:
     }
 
 
+_ERR_LINES = ("warns", "writes to descriptor 2")  # sorted
+
+
 def _speak(rank: int, world_size: int) -> None:
-    for stream, line in ((sys.stdout, "says hello"), (sys.stderr, "warns")):
+    for stream, line in ((sys.stdout, "says hello"), (sys.stderr, _ERR_LINES[0])):
         stream.write(f"rank {rank} {line}\n")  # one write: the ranks' lines do not interleave
         stream.flush()
-    os.write(2, f"rank {rank} writes to descriptor 2\n".encode())
+    os.write(2, f"rank {rank} {_ERR_LINES[1]}\n".encode())
 
 
 def _misbehave(rank: int, world_size: int, how: str) -> int:
@@ -75,25 +79,39 @@ def test_each_rank_is_a_fresh_process_with_the_callers_environment(monkeypatch) 
             }
 
 
-def test_ranks_write_where_the_callers_output_goes_now(tmp_path) -> None:
-    """As spawned ranks did: a test capturing descriptors 1 and 2 (``capfd``) sees the ranks'
-    output, not the descriptors the fork server started with."""
-    run_ranks(_speak, 1)  # the fork server now runs, with the descriptors of before
+def _output_of(tmp_path: Path, world_size: int) -> tuple[list[str], list[str]]:
+    """The lines ``_speak`` ranks write to descriptors 1 and 2, redirected to files now."""
     saved = os.dup(1), os.dup(2)
     out, err = tmp_path / "out", tmp_path / "err"
     try:
         with out.open("wb") as out_file, err.open("wb") as err_file:
             os.dup2(out_file.fileno(), 1)
             os.dup2(err_file.fileno(), 2)
-            run_ranks(_speak, 2)
+            run_ranks(_speak, world_size)
     finally:
         for fd, kept in zip((1, 2), saved, strict=True):
             os.dup2(kept, fd)
             os.close(kept)
-    assert sorted(out.read_text().splitlines()) == ["rank 0 says hello", "rank 1 says hello"]
-    lines = err.read_text().splitlines()
-    for rank in range(2):
-        assert f"rank {rank} warns" in lines and f"rank {rank} writes to descriptor 2" in lines
+    return sorted(out.read_text().splitlines()), sorted(err.read_text().splitlines())
+
+
+def test_ranks_write_where_the_callers_output_goes_now(tmp_path: Path) -> None:
+    """As spawned ranks did: a test capturing descriptors 1 and 2 (``capfd``) sees the ranks'
+    output, not the descriptors the fork server started with."""
+    run_ranks(_speak, 1)  # the fork server now runs, with the descriptors of before
+    out, err = _output_of(tmp_path, 2)
+    assert out == ["rank 0 says hello", "rank 1 says hello"]
+    assert err == [f"rank {r} {line}" for r in range(2) for line in _ERR_LINES]
+
+
+def test_ranks_are_spawned_where_cuda_is_available(tmp_path: Path, monkeypatch) -> None:
+    """CUDA cannot start in a process forked from one that asked for it (as importing fbgemm_gpu
+    does): ranks are spawned, and keep the descriptors they inherit."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # here only, not in the rank
+    assert rank_context().get_start_method() == "spawn"
+    assert _output_of(tmp_path, 1) == (["rank 0 says hello"], [f"rank 0 {x}" for x in _ERR_LINES])
 
 
 @pytest.mark.parametrize(
@@ -112,7 +130,7 @@ def test_a_rank_that_hangs_fails_the_run_at_the_timeout() -> None:
     assert time.monotonic() - started < 30  # the hung rank was killed, not waited for
 
 
-def test_ranks_start_from_a_script_main(tmp_path) -> None:
+def test_ranks_start_from_a_script_main(tmp_path: Path) -> None:
     """Benchmarks call ``run_ranks`` with functions of their ``__main__``."""
     script = tmp_path / "script.py"
     script.write_text(

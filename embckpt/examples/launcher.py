@@ -9,6 +9,9 @@ gets what a spawned rank inherits from its caller at the moment it starts, where
 would take the fork server's instead (:class:`_Inheritance`): the environment and the stdout and
 stderr descriptors (a test's output capture, a redirection); multiprocessing itself gives it the
 caller's ``sys.path``, working directory and ``__main__`` module.
+
+Where CUDA is available, ranks are spawned instead: CUDA cannot start in a process forked from
+one that asked for it, and importing ``fbgemm_gpu`` asks (``torch.cuda.is_available()``).
 """
 
 from __future__ import annotations
@@ -58,11 +61,14 @@ PRELOAD = (
 
 
 def rank_context() -> Any:
-    """The multiprocessing context ranks start from: the fork server, preloading ``PRELOAD``.
+    """The multiprocessing context ranks start from: the fork server, preloading ``PRELOAD``;
+    spawn where CUDA is available (see the module's docstring).
 
     The fork server is one per process and reads its preload list when it starts, so the list
     is set on every call: whoever starts the server first decides what it imports.
     """
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
@@ -91,7 +97,7 @@ class _Inheritance:
         os.environ.clear()
         os.environ.update(self.environ)
         for target, stream, fd in ((1, sys.stdout, self.stdio[0]), (2, sys.stderr, self.stdio[1])):
-            if fd is not None:
+            if fd is not None and fd != target:  # a spawned rank has them under their numbers
                 if stream is not None:
                     stream.flush()
                 os.dup2(fd, target)
