@@ -97,23 +97,39 @@ def test_python_construction_is_checked_as_yaml_is() -> None:
 
 
 def test_defaults_and_field_names_are_unchanged() -> None:
+    """Every field of CheckpointConfig, in order, with its default and the default's type
+    (``True == 1``): YAML files and callers name these, so a change must be deliberate."""
+    expected = [
+        ("policy", "one_shot"),
+        ("full_every", 4),
+        ("policy_options", {}),
+        ("expected_restores", None),
+        ("keep_last", 0),
+        ("codec", "raw"),
+        ("bits", None),
+        ("entropy", "auto"),
+        ("codec_options", {}),
+        ("diff_deltas", True),
+        ("optimizer_codec", "raw"),
+        ("base_codec", "raw"),
+        ("row_group_rows", 65536),
+        ("max_file_rows", 1 << 20),
+        ("fsync", True),
+        ("pipeline", "full"),
+        ("staging_budget_bytes", 4 << 30),
+        ("io_threads", 2),
+        ("interval", 100),
+        ("adaptive_interval", True),
+        ("stall_bound", 0.02),
+        ("lock_lease_s", 60.0),
+        ("write_retries", 4),
+        ("retry_backoff_s", 0.1),
+    ]
     config = CheckpointConfig()
-    defaults = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    expected = {
-        "policy": "one_shot",
-        "full_every": 4,
-        "keep_last": 0,
-        "codec": "raw",
-        "bits": None,
-        "fsync": True,
-        "pipeline": "full",
-        "staging_budget_bytes": 4 << 30,
-        "io_threads": 2,
-        "interval": 100,
-        "stall_bound": 0.02,
-    }
-    assert {k: defaults[k] for k in expected} == expected
-    assert type(defaults["staging_budget_bytes"]) is int and type(defaults["fsync"]) is bool
+    actual = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    assert [name for name, _ in actual] == [name for name, _ in expected]
+    assert actual == expected
+    assert [type(value) for _, value in actual] == [type(value) for _, value in expected]
 
 
 def test_every_field_type_has_a_check() -> None:

@@ -1,11 +1,10 @@
-"""Crash consistency: SIGKILL a rank at chosen and random points of a save, many times; the
-latest committed checkpoint always restores the exact state of its step and verifies, no
-partial checkpoint is ever listed, and the next start cleans up the debris."""
+"""Crash consistency: SIGKILL a rank at each point of a save, in diffs and in a full; the latest
+committed checkpoint always restores the exact state of its step and verifies, no partial
+checkpoint is ever listed, and the next start cleans up the debris."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import tempfile
 
@@ -110,34 +109,33 @@ def _restore_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
     return out
 
 
-def _trials() -> list[tuple[str, int, int]]:
-    chosen = [
-        ("stage", 1, 2),
-        ("stage", 0, 3),
-        ("mid_file", 1, 8),
-        ("mid_file", 0, 14),
-        ("between_files", 0, 9),
-        ("between_files", 1, 17),
-        ("before_manifest", 0, 2),
-        ("after_manifest", 0, 3),
-    ]
-    rng = random.Random(2026)
-    for _ in range(2):
-        point = rng.choice(POINTS)
-        victim = 0 if "manifest" in point else rng.randint(0, 1)
-        # A rank writes 5-6 files per checkpoint: die in the second to fourth checkpoint.
-        per_save = point in ("stage", "before_manifest", "after_manifest")
-        chosen.append((point, victim, rng.randint(2, 4) if per_save else rng.randint(7, 16)))
-    return chosen
+# (point, victim rank, nth occurrence, step of the save it dies in). Saves at steps 3 (full),
+# 6, 9 (diffs), 12 (full), 15 and 18 (diffs); rank 0 writes 6 files in each, rank 1 5 in a full
+# and 3 in a diff. Every point is hit in a diff on each rank that reaches it (the manifest is
+# rank 0's); a half-written file and a missing manifest, which leave an uncommitted step behind,
+# also in the full of step 12, which a restore must not take as the base of its chain.
+TRIALS = (
+    ("stage", 1, 2, 6),
+    ("stage", 0, 3, 9),
+    ("mid_file", 1, 8, 6),  # its last file
+    ("mid_file", 0, 14, 9),  # its second file
+    ("between_files", 0, 9, 6),
+    ("between_files", 1, 17, 15),  # after the second full
+    ("before_manifest", 0, 2, 6),
+    ("after_manifest", 0, 3, 9),
+    ("mid_file", 0, 20, 12),  # its second file
+    ("before_manifest", 0, 4, 12),  # every file written
+)
 
 
 @pytest.mark.timeout(600)
 def test_sigkill_anywhere_in_a_save_leaves_the_latest_commit_restorable() -> None:
-    trials = _trials()
+    trials = TRIALS
+    assert {t[0] for t in trials} == set(POINTS)
     with tempfile.TemporaryDirectory() as tmp:
         roots, before = [], []
         for i, trial in enumerate(trials):
-            point, victim, nth = trial
+            point, victim, nth, dies_in = trial
             root = f"{tmp}/trial{i}"
             try:  # the victim dies, its peer loses its connection
                 run_ranks(_train_and_crash, 2, root, point, victim, nth, timeout_s=120)
@@ -148,6 +146,8 @@ def test_sigkill_anywhere_in_a_save_leaves_the_latest_commit_restorable() -> Non
             store = CheckpointStore(root)
             committed = store.committed_steps()
             assert committed, f"trial {i} {trial}: died before the first commit, proves nothing"
+            last = dies_in if point == "after_manifest" else dies_in - SAVE_EVERY
+            assert committed[-1] == last, f"trial {i} {trial}: died elsewhere ({committed})"
             before.append((committed, store.leftover_steps()))
             roots.append(root)
         results = run_ranks(_restore_each, 2, roots)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
-import os
 import re
-import socket
 import zlib
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from embckpt.config import load_yaml
 from embckpt.data import ResumableSampler
 from embckpt.errors import ConfigError
 from embckpt.examples.criteo import load_criteo_tsv
+from embckpt.examples.launcher import run_ranks
 from embckpt.examples.model import (
     EBC_MODULE_PATH,
     _auc,
@@ -199,58 +197,40 @@ def test_auc_matches_pairwise_definition() -> None:
 TRAIN_STEPS = 150
 
 
-def _train_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _train_worker(rank: int, world_size: int) -> dict:
     from embckpt.examples.model import build_model, evaluate, train_step
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = load_yaml(DEMO_YAML, DemoConfig).workload
-        data = make_synthetic_dataset(cfg)
-        device = torch.device("cpu")
-        dmp, optimizer = build_model(cfg, device, world_size=2)
-        held_out = np.arange(60000, len(data))
-        sampler = ResumableSampler(60000, cfg.batch_size, rank=rank, world_size=2, seed=cfg.seed)
-        before = evaluate(dmp, data, held_out, cfg, device)
-        losses = [
-            train_step(dmp, optimizer, make_batch(data, next(sampler), cfg, device))
-            for _ in range(TRAIN_STEPS)
-        ]
-        after = evaluate(dmp, data, held_out, cfg, device)
-        again = evaluate(dmp, data, held_out, cfg, device)
-        # The dense optimizer's state (keyed by parameter name) loads into a fresh model's.
-        _, fresh_optimizer = build_model(cfg, device, world_size=2)
-        fresh_optimizer.load_state_dict(optimizer.state_dict())
-        trained, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
-        optimizer_restored = trained.keys() == loaded.keys() and all(
-            torch.equal(trained[name]["sum"], loaded[name]["sum"]) for name in trained
-        )
-        result = {
-            "before": before,
-            "after": after,
-            "again": again,
-            "losses": losses,
-            "optimizer_restored": optimizer_restored,
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    cfg = load_yaml(DEMO_YAML, DemoConfig).workload
+    data = make_synthetic_dataset(cfg)
+    device = torch.device("cpu")
+    dmp, optimizer = build_model(cfg, device, world_size=2)
+    held_out = np.arange(60000, len(data))
+    sampler = ResumableSampler(60000, cfg.batch_size, rank=rank, world_size=2, seed=cfg.seed)
+    before = evaluate(dmp, data, held_out, cfg, device)
+    losses = [
+        train_step(dmp, optimizer, make_batch(data, next(sampler), cfg, device))
+        for _ in range(TRAIN_STEPS)
+    ]
+    after = evaluate(dmp, data, held_out, cfg, device)
+    again = evaluate(dmp, data, held_out, cfg, device)
+    # The dense optimizer's state (keyed by parameter name) loads into a fresh model's.
+    _, fresh_optimizer = build_model(cfg, device, world_size=2)
+    fresh_optimizer.load_state_dict(optimizer.state_dict())
+    trained, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    optimizer_restored = trained.keys() == loaded.keys() and all(
+        torch.equal(trained[name]["sum"], loaded[name]["sum"]) for name in trained
+    )
+    return {
+        "before": before,
+        "after": after,
+        "again": again,
+        "losses": losses,
+        "optimizer_restored": optimizer_restored,
+    }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def test_two_rank_training_learns_the_teacher(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_train_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_two_rank_training_learns_the_teacher() -> None:
+    results = run_ranks(_train_worker, 2)
     for result in results:
         assert all(np.isfinite(result["losses"]))
         assert result["after"]["auc"] > 0.65, result["after"]

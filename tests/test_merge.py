@@ -4,7 +4,6 @@ the directory lock; a merge killed with SIGKILL at any point leaves the step res
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from embckpt.examples.launcher import run_ranks
+from embckpt.examples.launcher import rank_context, run_ranks
 from embckpt.read.export import reconstruct
 from embckpt.read.merge import merge
 from embckpt.storage.chain import read_chain
@@ -212,8 +211,9 @@ class _KillingFs:
         return getattr(self._fs, name)
 
 
-def _merge_and_die(directory: str, step: int, point: str, nth: int) -> None:
-    """Child process: merges ``step``, SIGKILLed at the nth ``point`` ("none": not at all).
+def _merge_and_die(directory: str, step: int, point: str, nth: int, started: Any) -> None:
+    """Child process: merges ``step``, SIGKILLed at the nth ``point`` ("none": not at all);
+    sets the event ``started`` as the merge starts.
 
     file: after a new rows file is written; partial: half-way through writing one (a
     temporary file left behind); manifest: just before the new manifest's rename;
@@ -249,6 +249,7 @@ def _merge_and_die(directory: str, step: int, point: str, nth: int) -> None:
     store.write_atomic = atomic  # type: ignore[method-assign]
     if point == "delete":
         store.fs = _KillingFs(store.fs, nth)
+    started.set()
     merge(store, step)
 
 
@@ -262,15 +263,16 @@ def test_merge_killed_at_any_point_leaves_the_step_restorable(
     root, _ = merged_runs
     pristine = root / "pristine" / name
     expected = {step: _tables(pristine, step) for step in (HEAD, LATER)}
-    ctx = multiprocessing.get_context("forkserver")
-    # Children fork from a server that imported these once: a kill lands inside the merge.
-    ctx.set_forkserver_preload(["embckpt.read.merge", __name__])
+    ctx = rank_context()
 
     def run(directory: Path, point: str, nth: int, delay: float | None = None) -> tuple:
+        """The child's exit code and the seconds from the start of its merge to its end."""
         shutil.copytree(pristine, directory)
-        child = ctx.Process(target=_merge_and_die, args=(str(directory), HEAD, point, nth))
-        started = time.perf_counter()
+        merging = ctx.Event()  # timed from the merge's start: a kill lands inside the merge
+        child = ctx.Process(target=_merge_and_die, args=(str(directory), HEAD, point, nth, merging))
         child.start()
+        assert merging.wait(120), f"{directory.name}: the merge never started"
+        started = time.perf_counter()
         if delay is not None:
             time.sleep(delay)
             child.kill()  # SIGKILL, unless it already finished
@@ -283,9 +285,6 @@ def test_merge_killed_at_any_point_leaves_the_step_restorable(
         for step, tables in expected.items():
             assert _same(_tables(directory, step), tables), (where, step)
 
-    warm = ctx.Process(target=int)  # starts the fork server, so that timings are the merge's
-    warm.start()
-    warm.join()
     code, duration = run(tmp_path / "complete", "none", 0)
     assert code == 0
     check(tmp_path / "complete", "complete")

@@ -64,31 +64,55 @@ def test_encode_file_is_the_same_when_its_buffer_estimate_is_too_small(monkeypat
     np.testing.assert_array_equal(back.rows, rows)
 
 
+SLOWEST = {1: 1, 2: 0}  # step: the rank whose writes are slowed by SLOW_WRITE_S each
+SLOW_WRITE_S = 0.1
+
+
 def _phases(rank: int, world_size: int, root: str) -> dict:
     from embckpt import Checkpointer
     from embckpt.storage.chain import read_manifest
 
     model, opt = tm.build(world_size, seed=0)
-    out: dict = {}
+    out: dict = {"slowed": dict.fromkeys(SLOWEST, 0)}
+    lock = threading.Lock()
     # A budget of a few rows makes the full go in several pieces, on both threads.
     config = CheckpointConfig(policy="one_shot", full_every=2, staging_budget_bytes=8192)
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
-        for step in (1, 2):
+        store = ckpt.store
+        write_file = store.write_file
+
+        def slow_write(step: int, relative: str, data, *checksum):
+            if SLOWEST[step] == rank:  # a slow disk: the wait is this rank's write time
+                with store.clock.time("write"):
+                    time.sleep(SLOW_WRITE_S)
+                with lock:
+                    out["slowed"][step] += 1
+            return write_file(step, relative, data, *checksum)
+
+        store.write_file = slow_write
+        for step in SLOWEST:
             tm.train_step(model, opt, step, rank, hot=50)
             ckpt.save(step).wait()
-        out["manifests"] = {s: read_manifest(ckpt.store, s).stats for s in (1, 2)}
+        out["manifests"] = {s: read_manifest(store, s).stats for s in SLOWEST}
     return out
 
 
 def test_manifest_records_the_slowest_ranks_phase_seconds() -> None:
+    """One rank's writes are slowed, rank 1's in the first save and rank 0's in the second: the
+    manifest names that rank and holds its seconds."""
     with tempfile.TemporaryDirectory() as root:
         results = run_ranks(_phases, 2, root)
     stats = results[0]["manifests"]
+    assert stats == results[1]["manifests"]
     assert sorted(stats) == [1, 2]
     for step, s in stats.items():
         phases = s["phase_seconds"]
         assert set(phases) == set(PHASES), step
-        assert s["phase_rank"] in (0, 1), step
+        slowest = SLOWEST[step]
+        assert s["phase_rank"] == slowest, step
+        slowed = results[slowest]["slowed"][step]
+        assert slowed >= 2, (step, slowed)
+        assert phases["write"] >= slowed * SLOW_WRITE_S, (step, phases)
         for name in ("snapshot", "encode", "write", "fsync", "hash", "commit"):
             assert phases[name] > 0, (step, name)
         # Thread-seconds: at most the save's wall time on each of the persist thread, the

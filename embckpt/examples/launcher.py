@@ -1,6 +1,17 @@
 """Runs a function on N ranks: one process each, gloo on CPU, NCCL on CUDA, on loopback.
 
 Used by the demo, the benchmarks and the multi-rank tests, so all three start ranks the same way.
+
+Ranks are forked from multiprocessing's fork server, which imports torch, TorchRec and embckpt
+once (``PRELOAD``): a fresh rank then starts in a fraction of a second instead of importing them
+again, as a spawned one would. Each rank is still a new process with its own process group. It
+gets what a spawned rank inherits from its caller at the moment it starts, where a forked one
+would take the fork server's instead (:class:`_Inheritance`): the environment and the stdout and
+stderr descriptors (a test's output capture, a redirection); multiprocessing itself gives it the
+caller's ``sys.path``, working directory and ``__main__`` module.
+
+Where CUDA is available, ranks are spawned instead: CUDA cannot start in a process forked from
+one that asked for it, and importing ``fbgemm_gpu`` asks (``torch.cuda.is_available()``).
 """
 
 from __future__ import annotations
@@ -8,11 +19,14 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -34,9 +48,85 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+# Imported once by the fork server (a module missing here is imported by each rank instead).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torchrec",
+    "torchrec.distributed",
+    "torchrec.models.dlrm",
+    "embckpt.checkpointer",
+    __name__,
+)
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server, preloading ``PRELOAD``;
+    spawn where CUDA is available (see the module's docstring).
+
+    The fork server is one per process and reads its preload list when it starts, so the list
+    is set on every call: whoever starts the server first decides what it imports.
+    """
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+class _Inheritance:
+    """The caller's environment and stdout and stderr descriptors, sent with a rank as it starts
+    and put in place of the fork server's by :meth:`apply`."""
+
+    def __init__(
+        self, environ: dict[str, str], stdio: tuple[int | None, int | None] = (None, None)
+    ) -> None:
+        self.environ = environ
+        self.stdio = stdio  # in the rank: descriptors to make its 1 and 2 (None: keep)
+
+    @classmethod
+    def of_caller(cls) -> _Inheritance:
+        return cls(dict(os.environ))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Called while the rank starts: DupFd sends the descriptors along with it.
+        sent = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return (_arrive, (self.environ, sent))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for target, stream, fd in ((1, sys.stdout, self.stdio[0]), (2, sys.stderr, self.stdio[1])):
+            if fd is not None and fd != target:  # a spawned rank has them under their numbers
+                if stream is not None:
+                    stream.flush()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _arrive(environ: dict[str, str], sent: list[Any]) -> _Inheritance:
+    out, err = (None if s is None else s.detach() for s in sent)
+    return _Inheritance(environ, (out, err))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    inheritance: _Inheritance,
 ) -> None:
+    inheritance.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -46,6 +136,7 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
+    np.random.seed()  # fresh entropy, as a spawned rank had: a fork copies the server's state
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
@@ -64,7 +155,8 @@ class RankFailed(RuntimeError):
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0
 ) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (forked from the
+    fork server, see the module's docstring).
 
     ``fn`` must be importable (a module-level function) and return something picklable.
 
@@ -74,11 +166,16 @@ def run_ranks(
     Raises:
         RankFailed: a rank raised (its traceback is in the message), died, or timed out.
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
+    inheritance = _Inheritance.of_caller()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, fn, args, results, inheritance),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:

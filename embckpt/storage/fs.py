@@ -43,9 +43,10 @@ _PERMANENT_TYPES = (
 )
 _PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG})
 _MAX_BACKOFF_S = 5.0
-# A private generator: jitter must not draw from the global ``random`` stream, whose state a
-# checkpoint saves and a restore puts back.
-_JITTER = random.Random()
+# Not the global ``random`` stream, whose state a checkpoint saves and a restore puts back; and
+# no state to copy: processes forked from one (run_ranks' ranks, DataLoader workers) must not
+# all draw the same jitter.
+_JITTER = random.SystemRandom()
 
 
 def is_retryable(exc: BaseException) -> bool:
