@@ -127,8 +127,8 @@ def measure(codec_id: str, options: dict[str, Any], rows: torch.Tensor, reps: in
     data, t_file_enc = _timed(write, max(1, reps - 1))
 
     def read() -> torch.Tensor:
-        block = decode_file(data, "bench", 0, n)
-        return codec.decode(block.encoded, cols)
+        batch = decode_file(data, "bench", 0, n)
+        return codec.decode(batch.encoded, cols)
 
     _, t_file_dec = _timed(read, max(1, reps - 1))
     payload = encoded_bytes_per_row(encoded)

@@ -49,12 +49,12 @@ def round_trip(
         metadata={"codec": codec.get_config()},
         row_group_rows=row_group_rows,
     )
-    block = decode_file(data, "round_trip.parquet", lo, hi)
-    assert list(block.rows) == list(range(lo, min(hi, n)))
-    reader = codec_from_config(block.header["codec"])
-    decoded = reader.decode(block.encoded, cols)
+    batch = decode_file(data, "round_trip.parquet", lo, hi)
+    assert list(batch.rows) == list(range(lo, min(hi, n)))
+    reader = codec_from_config(batch.header["codec"])
+    decoded = reader.decode(batch.encoded, cols)
     assert decoded.device.type == "cpu"
-    assert tuple(decoded.shape) == (len(block.rows), cols)
+    assert tuple(decoded.shape) == (len(batch.rows), cols)
     assert decoded.dtype == (rows.dtype if codec.lossless else torch.float32)
     return decoded
 

@@ -34,9 +34,9 @@ def test_every_codec_has_a_golden_file() -> None:
 def test_golden_file_decodes(folder: str, name: str, spec: dict) -> None:
     path = GOLDEN / folder / f"{name}.parquet"
     expected = np.load(GOLDEN / folder / f"{name}.npy")
-    block = decode_file(pa.py_buffer(path.read_bytes()), str(path), 0, len(expected))
-    assert block.header["codec"] == spec["codec"]
-    decoded = codec_from_config(block.header["codec"]).decode(block.encoded, spec["cols"])
+    batch = decode_file(pa.py_buffer(path.read_bytes()), str(path), 0, len(expected))
+    assert batch.header["codec"] == spec["codec"]
+    decoded = codec_from_config(batch.header["codec"]).decode(batch.encoded, spec["cols"])
     scale = float(np.abs(expected).max()) or 1.0
     np.testing.assert_allclose(decoded.numpy(), expected, rtol=1e-6, atol=1e-6 * scale)
     # A row range decodes to the same rows.

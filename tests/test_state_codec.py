@@ -160,8 +160,8 @@ def test_lossless_state_codec_writes_the_plain_state_column_as_before() -> None:
     assert schema.names == ["row", "payload", "state.momentum1"]
     assert schema.field("state.momentum1").type == pa.float32()
     assert b"state_meta" not in schema.metadata[b"embckpt"]
-    block = decode_file(data, "f.parquet", 0, 300)
-    assert np.array_equal(block.row_states["momentum1"], momentum.numpy())
+    batch = decode_file(data, "f.parquet", 0, 300)
+    assert np.array_equal(batch.row_states["momentum1"], momentum.numpy())
 
 
 def test_log8_row_states_are_one_byte_columns_decoded_within_bound() -> None:
@@ -175,13 +175,13 @@ def test_log8_row_states_are_one_byte_columns_decoded_within_bound() -> None:
     assert _column_bytes(data, "state.momentum1.payload") * 3 < _column_bytes(
         plain, "state.momentum1"
     )
-    block = decode_file(data, "f.parquet", 100, 250)  # a row range: rows 100..249
-    assert block.header["state_meta"]["momentum1"]["signed"] is False
-    values = row_state_values(block, codec_from_config(block.header["state_codec"]))
+    batch = decode_file(data, "f.parquet", 100, 250)  # a row range: rows 100..249
+    assert batch.header["state_meta"]["momentum1"]["signed"] is False
+    values = row_state_values(batch, codec_from_config(batch.header["state_codec"]))
     assert values["momentum1"].dtype == np.float32
     truth = momentum[100:250]
     errors = _relative_errors(torch.from_numpy(values["momentum1"]), truth)
-    assert errors.max() <= max_relative_error(block.header["state_meta"]["momentum1"])
+    assert errors.max() <= max_relative_error(batch.header["state_meta"]["momentum1"])
     assert errors.max() < _bound(momentum, signed=False) * 1.0001
     assert np.array_equal(
         values["momentum1"][truth.numpy() == 0], np.zeros(int((truth == 0).sum()))
@@ -258,11 +258,11 @@ def _state_metas(store: Any, manifests: list) -> list:
             if entry.role != "rows":
                 continue
             data = store.read_checked(manifest.step, entry.written)
-            block = decode_file(data, entry.path, entry.row_offset, entry.row_offset + 10**9)
+            batch = decode_file(data, entry.path, entry.row_offset, entry.row_offset + 10**9)
             metas.append(
                 {
-                    "state": block.header.get("state_meta", {}),
-                    "elem": block.header["elem_meta"],
+                    "state": batch.header.get("state_meta", {}),
+                    "elem": batch.header["elem_meta"],
                     "columns": [c for c in pq.read_schema(pa.BufferReader(data)).names],
                 }
             )

@@ -175,12 +175,12 @@ def test_row_file_round_trip_and_row_range(dtype: torch.dtype) -> None:
     data = encode_file(
         rows, codec.encode(weights), {"momentum1": momentum}, {}, {"codec": codec.get_config()}, 16
     )
-    block = decode_file(data, "f.parquet", 200, 300)
+    batch = decode_file(data, "f.parquet", 200, 300)
     keep = (rows >= 200) & (rows < 300)
-    assert np.array_equal(block.rows, rows[keep])
-    decoded = codec_from_config(block.header["codec"]).decode(block.encoded, 6)
+    assert np.array_equal(batch.rows, rows[keep])
+    decoded = codec_from_config(batch.header["codec"]).decode(batch.encoded, 6)
     assert decoded.dtype == dtype and torch.equal(decoded, weights[torch.from_numpy(keep)])
-    assert np.array_equal(block.row_states["momentum1"], momentum[keep])
+    assert np.array_equal(batch.row_states["momentum1"], momentum[keep])
 
 
 def test_garbage_is_not_a_row_file() -> None:

@@ -26,9 +26,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-#: Rows per block of the range search: each step of the walk runs over a block of rows at a
+#: Rows per tile of the range search: each step of the walk runs over a tile of rows at a
 #: time, so the rows' independent chains (fp16 rounding, divisions, choices) overlap.
-_BLOCK = 32
+_TILE = 32
 #: Floating-point freedoms of the sums of squares only (reassociation lets them vectorise);
 #: everything that decides a quantized value stays strict IEEE.
 _SUMS = {"reassoc", "nsz", "nnan"}
@@ -158,7 +158,7 @@ def greedy_ranges(
     ``lo`` and ``hi`` [n]. Rows must be finite."""
     top = _F32((1 << bits) - 1)
     bins = _F32(n_bins)
-    b = _BLOCK
+    b = _TILE
     cur_lo = np.empty(b, _F32)
     cur_hi = np.empty(b, _F32)
     step = np.empty(b, _F32)
