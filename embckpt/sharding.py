@@ -22,7 +22,14 @@ from torch import nn
 
 from embckpt.errors import ModelMismatchError
 
-_TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+_TABLE_KEY = re.compile(r"^(?:(.*)\.)?(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+
+
+def table_id(module_path: str, name: str) -> str:
+    """A table's identity in a checkpoint: its collection's module path and its name
+    (``sparse_arch.embedding_bag_collection.t0``), so that two collections may both have a
+    table ``t0``. A table outside any named module keeps its bare name."""
+    return f"{module_path}.{name}" if module_path else name
 
 
 @dataclass
@@ -30,7 +37,7 @@ class TableShard:
     """One block of one table held by this rank.
 
     Attributes:
-        table: the table's name.
+        table: the table's identity (:func:`table_id`: module path and name).
         fqn: the weight's key in ``model.state_dict()``.
         row_offset, col_offset: where the block starts in the global table.
         table_rows, table_cols: the global table's shape.
@@ -38,6 +45,7 @@ class TableShard:
         row_states: live views [rows] of row-wise optimizer states, by state name.
         elem_states: live views [rows, cols] of element-wise optimizer states.
         writer: whether this rank writes the block (False for non-zero replicas).
+        name: the table's name in its collection's config (live blocks only).
     """
 
     table: str
@@ -51,6 +59,7 @@ class TableShard:
     row_states: dict[str, torch.Tensor] = field(default_factory=dict)
     elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
     writer: bool = True
+    name: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -123,7 +132,8 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         match = _TABLE_KEY.search(fqn)
         if match is None:
             continue
-        table = match.group(1)
+        name = match.group(2)
+        table = table_id(match.group(1) or "", name)
         if hasattr(value, "local_shards"):
             meta = value.metadata()
             shapes[table] = (int(meta.size[0]), int(meta.size[1]))
@@ -145,6 +155,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
                     table=table,
                     fqn=fqn,
                     sharding_type=types[table],
+                    name=name,
                     row_offset=int(local.metadata.shard_offsets[0]),
                     col_offset=int(local.metadata.shard_offsets[1]),
                     table_rows=shapes[table][0],
@@ -164,6 +175,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
                     table=table,
                     fqn=fqn,
                     sharding_type="data_parallel",
+                    name=name,
                     row_offset=0,
                     col_offset=0,
                     table_rows=int(rows),
@@ -191,14 +203,14 @@ def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
 
 
 def _sharding_types(model: nn.Module) -> dict[str, str]:
-    """Table name -> sharding type, from the plan DMP applied."""
+    """Table identity -> sharding type, from the plan DMP applied (keyed by module path)."""
     plan = getattr(model, "plan", None)
     found: dict[str, str] = {}
     if plan is None:
         return found
-    for module_plan in plan.plan.values():
-        for table, sharding in getattr(module_plan, "items", lambda: [])():
-            found[table] = sharding.sharding_type
+    for path, module_plan in plan.plan.items():
+        for name, sharding in getattr(module_plan, "items", lambda: [])():
+            found[table_id(path, name)] = sharding.sharding_type
     return found
 
 
@@ -209,7 +221,7 @@ def _attach_optimizer_state(
     scalars: dict[str, torch.Tensor],
 ) -> None:
     """Splits a table's fused optimizer state into row-wise, element-wise and scalar parts."""
-    prefix = f"{shard.table}."
+    prefix = f"{shard.name}."
     for key, value in opt.items():
         name = key[len(prefix) :] if key.startswith(prefix) else key
         if hasattr(value, "local_shards"):

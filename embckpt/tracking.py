@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from embckpt.sharding import TableShard
+from embckpt.sharding import TableShard, table_id
 
 
 class View(str, Enum):
@@ -69,8 +70,8 @@ class RowTracker:
         # block key -> (module index, first bit, rows)
         self._slices: dict[str, tuple[int, int, int]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        for batched in batched_embedding_modules(model):
-            self._install(batched, by_block)
+        for path, batched in collection_kernels(model):
+            self._install(path, batched, by_block)
         missing = {s.key for s in by_block.values()} - set(self._slices)
         if missing:
             raise RuntimeError(f"no embedding lookup found for blocks {sorted(missing)}")
@@ -78,7 +79,9 @@ class RowTracker:
             view: [torch.zeros_like(m.pending) for m in self._modules] for view in View
         }
 
-    def _install(self, batched: Any, by_block: dict[tuple[str, int, int], TableShard]) -> None:
+    def _install(
+        self, path: str, batched: Any, by_block: dict[tuple[str, int, int], TableShard]
+    ) -> None:
         """Hooks one TorchRec batched embedding kernel (its private ``_config`` and
         ``_feature_table_map`` are the only place the block layout is exposed)."""
         tables = batched._config.embedding_tables
@@ -88,7 +91,7 @@ class RowTracker:
             meta = table.local_metadata
             offsets = (0, 0) if meta is None else (meta.shard_offsets[0], meta.shard_offsets[1])
             replicated |= meta is None
-            shard = by_block[(table.name, int(offsets[0]), int(offsets[1]))]
+            shard = by_block[(table_id(path, table.name), int(offsets[0]), int(offsets[1]))]
             self._slices[shard.key] = (len(self._modules), first, shard.num_rows)
             bases.append(first)
             first += shard.num_rows
@@ -203,11 +206,18 @@ class RowTracker:
 
 def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
     """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
-    collections. Sharded collections hide their lookups from ``named_modules``, so this walks
-    their ``_lookups`` explicitly."""
-    for module in model.modules():
+    collections."""
+    return (batched for _, batched in collection_kernels(model))
+
+
+def collection_kernels(model: nn.Module) -> Iterable[tuple[str, Any]]:
+    """Each batched embedding kernel with its sharded collection's module path (as
+    ``model.state_dict()`` spells it: the tables' identities start with it). Sharded
+    collections hide their lookups from ``named_modules``, so this walks their ``_lookups``
+    explicitly. Paths are taken inside DMP's and DDP's wrappers, as ``state_dict`` does."""
+    for path, module in get_unwrapped_module(model).named_modules():
         for lookup in getattr(module, "_lookups", ()):
             inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
             for batched in getattr(inner, "_emb_modules", ()):
                 if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
-                    yield batched
+                    yield path, batched

@@ -60,6 +60,7 @@ from embckpt.storage.layout import MANIFEST_NAME, merged_prefix, merged_rows_fil
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import (
     FORMAT_VERSION,
+    QUALIFIED_TABLES_VERSION,
     FileEntry,
     HistoryEntry,
     Manifest,
@@ -162,8 +163,9 @@ def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Man
         parent_step=None,
         files=tuple(sorted(files, key=lambda f: f.path)),
         history=(HistoryEntry(step, "full", total, 1.0),),
-        # The files it writes are this version's, whatever the head was written with.
-        format_version=FORMAT_VERSION,
+        # The files it writes are this version's, whatever the head was written with; its
+        # table names stay the chain's (bare before format 3).
+        format_version=FORMAT_VERSION if head.qualified_tables else QUALIFIED_TABLES_VERSION - 1,
         checksum_algorithm=ALGORITHM,
         stats={
             **head.stats,

@@ -61,12 +61,39 @@ from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
 from embckpt.storage.layout import MANIFEST_NAME
-from embckpt.storage.manifest import Manifest
+from embckpt.storage.manifest import Manifest, ids_of_bare_names
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
 
 PROGRESS_MIN_BYTES = 256 << 20  # a progress bar only for restores reading more than this
+
+
+def named_as_model(chain: list[Manifest], into: RestoreTarget, path: str) -> list[Manifest]:
+    """A chain written before tables carried their module path (format 1 and 2) with its bare
+    table names replaced by the model's identities.
+
+    Raises:
+        ModelMismatchError: a bare name fits several of the model's tables (two collections
+            with a table of that name), so the checkpoint cannot say which one it holds.
+    """
+    ids = into.sharded.table_shapes.keys()
+    renamed = []
+    for manifest in chain:
+        if manifest.qualified_tables:
+            renamed.append(manifest)
+            continue
+        names = [t.name for t in manifest.tables]
+        mapping = ids_of_bare_names(names, ids)
+        for name in names:
+            fits = [t for t in ids if t.rsplit(".", 1)[-1] == name]
+            if name not in mapping and len(fits) > 1:
+                raise ModelMismatchError(
+                    f"table {name}: checkpoint {path} names it without its module, and the "
+                    f"model has {len(fits)} tables of that name ({', '.join(sorted(fits))})"
+                )
+        renamed.append(manifest.with_table_ids(mapping))
+    return renamed
 
 
 def check_model_matches(into: RestoreTarget, manifest: Manifest, path: str) -> None:
@@ -182,8 +209,9 @@ def restore_checkpoint(
     what = f"restoring step {target}"
     try:
         with clock.time("plan"):
-            chain = read_chain(store, target)
-            check_model_matches(into, chain[-1], store.step_path(target))
+            path = store.step_path(target)
+            chain = named_as_model(read_chain(store, target), into, path)
+            check_model_matches(into, chain[-1], path)
             failpoints.hit("restore.plan")
             reads = plan_reads(chain, into.sharded.shards)
         total = sum(r.planned_bytes for r in reads)

@@ -210,7 +210,7 @@ class Persister:
             snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
         )
         history = (entry,) if full or head is None else (*head.history, entry)
-        return Manifest(
+        manifest = Manifest(
             step=snapshot.step,
             kind=snapshot.decision.kind.value,
             policy=ctx.policy.name,
@@ -236,6 +236,13 @@ class Persister:
                 "created_unix": time.time(),
             },
         )
+        twice = manifest.repeated_paths()
+        if twice:  # every rank builds the same manifest, so every rank refuses it
+            raise SaveError(
+                f"step {snapshot.step}: file {twice[0]!r} was written for two blocks: the "
+                "checkpoint could not be restored, so it is not committed"
+            )
+        return manifest
 
 
 def as_save_error(

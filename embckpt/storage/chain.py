@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from embckpt.errors import ChainIncompleteError, CheckpointCorruptError
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
-from embckpt.storage.manifest import Manifest
+from embckpt.storage.manifest import Manifest, ids_of_bare_names
 
 
 def read_manifest(store: CheckpointStore, step: int) -> Manifest:
@@ -131,7 +131,24 @@ def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
             store.step_path(chain[-1].step, MANIFEST_NAME),
             "chain does not start at a full checkpoint",
         )
-    return chain[::-1]
+    return _with_one_naming(chain[::-1])
+
+
+def _with_one_naming(chain: list[Manifest]) -> list[Manifest]:
+    """A chain whose older checkpoints name tables bare (before format 3) and newer ones in
+    full (a job resumed from an older checkpoint): the bare names take the newest full ones."""
+    named = [m for m in chain if m.qualified_tables]
+    if not named or len(named) == len(chain):
+        return chain
+    ids = {t.name for t in named[-1].tables}
+    return [
+        m if m.qualified_tables else m.with_table_ids(ids_of_bare_names(_names(m), ids))
+        for m in chain
+    ]
+
+
+def _names(manifest: Manifest) -> list[str]:
+    return [t.name for t in manifest.tables]
 
 
 def _steps(chain: list[Manifest]) -> list[int]:

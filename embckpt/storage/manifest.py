@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -21,9 +22,12 @@ from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
 from embckpt.storage.paths import path_problem
 
-FORMAT_VERSION = 2
-"""2: CRC32C file checksums and float payloads as Parquet float lists (docs/ARCHITECTURE.md)."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""2: CRC32C file checksums and float payloads as Parquet float lists; 3: a table is named by its
+collection's module path and its name (docs/ARCHITECTURE.md)."""
+READABLE_VERSIONS = (1, 2, 3)
+QUALIFIED_TABLES_VERSION = 3
+"""The first version whose table names carry their module path: older ones name tables bare."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,27 @@ class Manifest:
     def with_stats(self, **stats: Any) -> Manifest:
         return replace(self, stats={**self.stats, **stats})
 
+    def repeated_paths(self) -> list[str]:
+        """File paths listed more than once, sorted: two entries of one file, of which the
+        later write overwrote the other."""
+        counts = Counter(f.path for f in self.files)
+        return sorted(path for path, n in counts.items() if n > 1)
+
+    @property
+    def qualified_tables(self) -> bool:
+        """Whether table names carry their module path (format 3 on); older ones are bare."""
+        return self.format_version >= QUALIFIED_TABLES_VERSION
+
+    def with_table_ids(self, ids: Mapping[str, str]) -> Manifest:
+        """This manifest with its bare table names replaced by ``ids`` (bare name -> table
+        identity), so that an older checkpoint reads like one naming its tables in full."""
+        tables = tuple(replace(t, name=ids.get(t.name, t.name)) for t in self.tables)
+        files = tuple(
+            replace(f, table=ids.get(f.table, f.table)) if f.role == "rows" else f
+            for f in self.files
+        )
+        return replace(self, tables=tables, files=files)
+
     def to_json(self) -> str:
         body = asdict(self)
         body["checksum"] = _checksum(body)
@@ -244,6 +269,11 @@ class Manifest:
             problem = path_problem(entry.path)
             if problem is not None:
                 raise CheckpointCorruptError(path, f"file entry {entry.path!r}: {problem}")
+        twice = manifest.repeated_paths()
+        if twice:
+            raise CheckpointCorruptError(
+                path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
+            )
         return manifest
 
 
@@ -274,3 +304,12 @@ def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> dict[str, Any]:
 def _checksum(body: Mapping[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def ids_of_bare_names(names: Iterable[str], ids: Iterable[str]) -> dict[str, str]:
+    """Each bare table name matched to the one identity (``<module path>.<name>``) that ends
+    with it; names that match none, or several, are left out."""
+    by_name: dict[str, list[str]] = {}
+    for table in ids:
+        by_name.setdefault(table.rsplit(".", 1)[-1], []).append(table)
+    return {n: by_name[n][0] for n in names if len(by_name.get(n, ())) == 1}
