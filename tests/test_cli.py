@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import toy_model as tm
 
 from embckpt.cli import main
 
@@ -74,7 +75,11 @@ def test_leftover_folders_are_reported_not_failed(
 def test_inspect_lists_tables_and_shards(saved_runs: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect", str(saved_runs / "incremental")]) == 0
     out = capsys.readouterr().out
-    for table, kind in [("t_rw", "row_wise"), ("t_cw", "column_wise"), ("t_dp", "data_parallel")]:
+    for table, kind in [
+        (tm.table("rw"), "row_wise"),
+        (tm.table("cw"), "column_wise"),
+        (tm.table("dp"), "data_parallel"),
+    ]:
         assert f"{table}: 240 x 8 float32, {kind}" in out
     assert "step 15: diff (policy incremental, parent 10, base 5)" in out
 
@@ -250,8 +255,9 @@ def test_inspect_json(saved_runs: Path, capsys: pytest.CaptureFixture) -> None:
     )
     assert doc["checkpoints"][-1]["bytes"] == on_disk
     tables = {t["name"]: t for t in doc["tables"]}
-    assert tables["t_rw"]["sharding_type"] == "row_wise" and tables["t_rw"]["rows"] == 240
-    shards = tables["t_rw"]["shards"]
+    t_rw = tables[tm.table("rw")]
+    assert t_rw["sharding_type"] == "row_wise" and t_rw["rows"] == 240
+    shards = t_rw["shards"]
     assert sorted(s["rank"] for s in shards) == [0, 1]
     assert sum(s["rows"] for s in shards) == 240
     assert doc["unreadable_manifests"] == [] and doc["leftovers"] == []

@@ -16,7 +16,7 @@ from embckpt.examples.launcher import run_ranks
 
 README = Path(__file__).parents[1] / "README.md"
 STEP = 4
-EXAMPLE_DIR = "ckpts/step_000000000004/tables/t_cw"
+EXAMPLE_DIR = "ckpts/step_000000000004/tables/sparse_arch.embedding_bag_collection.t_cw"
 
 
 def _save_full(rank: int, world_size: int, root: str) -> dict:
@@ -43,7 +43,7 @@ def test_readme_duckdb_query_reads_every_table_of_a_checkpoint() -> None:
     with tempfile.TemporaryDirectory() as root:
         per_rank = run_ranks(_save_full, 2, root)
         truth = assemble(per_rank)
-        assert set(truth) == {f"t_{k}" for k in tm.KINDS}
+        assert set(truth) == {tm.table(k) for k in tm.KINDS}
         for table, arrays in truth.items():
             folder = Path(root) / "ckpts" / f"step_{STEP:012d}" / "tables" / table
             assert folder.is_dir(), folder

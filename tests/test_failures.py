@@ -64,7 +64,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     )
 
     # 2. A truncated rows file (written by rank 1) of step 15.
-    target = sorted(glob.glob(f"{root}/a/step_000000000015/tables/t_tw/*.parquet"))[0]
+    target = sorted(glob.glob(f"{root}/a/step_000000000015/tables/{tm.table('tw')}/*.parquet"))[0]
     original = open(target, "rb").read()
     out["damaged_file"] = target
     dist.barrier()  # every rank holds the original bytes before rank 0 damages the file
@@ -125,7 +125,7 @@ def test_failures_are_caught_and_named() -> None:
         assert out["missing_link"] and "ChainIncompleteError" in out["missing_link"], where
         assert "step_000000000017" in out["missing_link"], where
         assert out["mismatch"] and "ModelMismatchError" in out["mismatch"], where
-        assert "table t_" in out["mismatch"], where
+        assert f"table {tm.COLLECTION}.t_" in out["mismatch"], where
         assert out["empty"] is None and out["empty_created"], where
     # The truncated file was written by rank 1 (table-wise on the last rank): rank 1 names the
     # size problem itself, rank 0 quotes it.

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import toy_model as tm
 
 import embckpt.report.build
 import embckpt.report.projection
@@ -212,7 +213,7 @@ def test_a_half_written_directory_counts_only_committed_checkpoints(
     run_copy: Path, saved_runs: Path, capsys: pytest.CaptureFixture
 ) -> None:
     directory = run_copy / "one_shot"
-    debris = directory / "step_000000000020" / "tables" / "t_rw"
+    debris = directory / "step_000000000020" / "tables" / tm.table("rw")
     debris.mkdir(parents=True)
     (debris / "half.parquet").write_bytes(b"PAR1" * 100)
     report = _report_json(directory, capsys)
@@ -254,7 +255,7 @@ def test_text_lists_checkpoints_tables_and_totals(
     out = capsys.readouterr().out
     assert "3 checkpoints (1 full, 2 diff)" in out
     assert re.search(r"^\s+15 diff\s+5 .* rows changed since the last full$", out, re.M)
-    for table in ("t_rw", "t_cw", "t_dp"):
+    for table in (tm.table("rw"), tm.table("cw"), tm.table("dp")):
         assert re.search(rf"^{table} .* 240 x 8", out, re.M)
     assert "written " in out and "held now " in out and "steps 5 -> 15" in out
     assert capsys.readouterr().err == ""  # no progress line for 3 checkpoints off a terminal
@@ -438,7 +439,7 @@ def test_page_fits_the_screen_in_a_real_browser(
         assert 0 <= table["lastLeft"] < table["lastRight"] <= width
     if width == 400:  # the checkpoint list is wider than a phone: its box scrolls, not the page
         assert any(t["scroll"] > t["client"] for t in tables)
-    for cell in ("5", "10", "15", "t_rw"):
+    for cell in ("5", "10", "15", tm.table("rw")):
         assert page.get_by_role("cell", name=cell, exact=True).first.is_visible(), cell
     image = page.locator("img")
     assert image.evaluate("img => img.complete && img.naturalWidth") >= 800

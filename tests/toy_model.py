@@ -28,11 +28,17 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from embckpt.sharding import discover
 
+COLLECTION = "sparse_arch.embedding_bag_collection"  # the module path the tables live under
 ROWS = 240
 DIM = 8
 NUM_DENSE = 4
 BATCH = 16
 KINDS = ("tw", "rw", "cw", "twrw", "dp")
+
+
+def table(kind: str) -> str:
+    """Table ``t_<kind>``'s identity in a checkpoint: its collection's path and its name."""
+    return f"{COLLECTION}.t_{kind}"
 
 
 def build(
