@@ -146,8 +146,23 @@ def dense_state(
     }
 
 
-def rank_state(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
-    """This rank's own state: RNG streams and each stateful object (data iterator, ...)."""
+def stateful_states(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Each stateful object's ``state_dict()``, checked, so that state a checkpoint cannot
+    hold is refused when the save is decided rather than when its file is written.
+
+    Raises:
+        TypeError: a value the format cannot hold, named by stateful and key path
+            (``statefuls['data']['seen']``).
+    """
+    states = {name: obj.state_dict() for name, obj in statefuls.items()}
+    for name, state in states.items():
+        check_tree(state, f"statefuls[{name!r}]")
+    return states
+
+
+def rank_state(states: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's own state: RNG streams and each stateful object's state (data iterator,
+    ...), as :func:`stateful_states` took it."""
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -155,7 +170,7 @@ def rank_state(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {"rng": rng, "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()}}
+    return {"rng": rng, "statefuls": dict(states)}
 
 
 def apply_rank_state(state: Mapping[str, Any], statefuls: Mapping[str, Stateful]) -> None:
