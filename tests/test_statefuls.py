@@ -1,12 +1,15 @@
 """Statefuls (2 gloo ranks): state a checkpoint cannot hold is refused by ``save()`` on every
-rank, naming the stateful and the key, and changes nothing."""
+rank, naming the stateful and the key, and changes nothing; a restore not given a stateful the
+checkpoint holds warns and lists it, onto the same and another world size."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
 
+import pytest
 import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
@@ -25,6 +28,17 @@ class Bag:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = dict(state)
+
+
+class _Warnings(logging.Handler):
+    """The warnings a restore logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _refused(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -109,3 +123,54 @@ def test_unsavable_state_is_refused_at_save_on_every_rank() -> None:
             assert second.startswith("SaveRankError") and own in second, (where, second)
         assert "a value of type bytes" in second and "np.frombuffer" in second, second
         assert out["bytes_committed"] == [3], where
+
+
+def _save_two(rank: int, world_size: int, root: str) -> None:
+    from embckpt import Checkpointer
+
+    model, opt = tm.build(world_size, seed=0, kinds=KINDS)
+    statefuls = {"data": Bag(position=rank), "extra": Bag(n=1)}
+    with Checkpointer(model, root, optimizer=opt, statefuls=statefuls) as ckpt:
+        tm.train_step(model, opt, 1, rank, kinds=KINDS)
+        ckpt.save(1).wait()
+
+
+def _restore_some(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from embckpt import Checkpointer
+
+    out: dict[str, Any] = {}
+    model, opt = tm.build(world_size, seed=3, kinds=KINDS)
+    warnings = _Warnings()
+    logging.getLogger("embckpt").addHandler(warnings)
+    for case, names in (("some", ("data",)), ("all", ("data", "extra"))):
+        statefuls = {name: Bag() for name in names}
+        warnings.messages.clear()
+        with Checkpointer(model, root, optimizer=opt, statefuls=statefuls) as ckpt:
+            result = ckpt.load()
+        assert result is not None
+        out[case] = {
+            "unused": result.unused_statefuls,
+            "skipped": result.skipped,
+            "warnings": list(warnings.messages),
+            "data": statefuls["data"].state,
+        }
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_restore_lists_the_statefuls_it_was_not_given(world_size: int) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_save_two, 2, root, timeout_s=300)
+        results = run_ranks(_restore_some, world_size, root, timeout_s=300)
+    reason = "stateful 'extra': the checkpoint holds it, but statefuls= does not name it"
+    for rank, out in enumerate(results):
+        where = f"rank {rank} of {world_size}"
+        some, every = out["some"], out["all"]
+        assert some["unused"] == ("extra",), (where, some)
+        assert reason in some["skipped"], (where, some["skipped"])
+        assert any(reason in message for message in some["warnings"]), (where, some)
+        assert every["unused"] == (), (where, every)
+        assert not any("'extra'" in message for message in every["warnings"]), (where, every)
+        if world_size == 2:
+            assert some["skipped"] == (reason,) and every["skipped"] == (), (where, some)
+            assert some["data"] == every["data"] == {"position": rank}, (where, out)
