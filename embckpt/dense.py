@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,33 +37,75 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def encode_tree(tree: Any) -> bytes:
-    """Serialises nested dicts / lists / tuples of tensors, numpy arrays and JSON scalars."""
+_HOLDS = (
+    "dicts, lists, tuples, dense tensors, numpy arrays of numbers, str, int, float, bool and None"
+)
+_HINTS: dict[type, str] = {
+    set: "a sorted list",
+    frozenset: "a sorted list",
+    bytes: "a uint8 numpy array (np.frombuffer(value, np.uint8))",
+    bytearray: "a uint8 numpy array (np.frombuffer(value, np.uint8))",
+}
+
+
+def encode_tree(tree: Any, root: str = "state") -> bytes:
+    """Serialises nested dicts / lists / tuples of tensors, numpy arrays and JSON scalars.
+
+    Raises:
+        TypeError: a value the format cannot hold, named by its key path from ``root``.
+    """
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = node.detach().cpu().contiguous()
-            return {"__tensor__": name}
-        if isinstance(node, np.ndarray):
-            name = f"t{len(tensors)}"
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(node))
-            return {"__ndarray__": name}
-        if isinstance(node, Mapping):
-            return {"__dict__": [[walk(k), walk(v)] for k, v in node.items()]}
-        if isinstance(node, tuple):
-            return {"__tuple__": [walk(v) for v in node]}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, np.generic):
-            return node.item()
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        raise TypeError(f"cannot save a {type(node).__name__} in a checkpoint")
+    def leaf(tag: str, value: torch.Tensor) -> dict[str, str]:
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().cpu().contiguous()
+        return {tag: name}
 
-    structure = walk(tree)
+    structure = _walk(tree, root, leaf)
     return safetensors.torch.save(tensors, metadata={_STRUCT_KEY: json.dumps(structure)})
+
+
+def check_tree(tree: Any, root: str) -> None:
+    """Raises the ``TypeError`` :func:`encode_tree` would, without encoding anything: state
+    is refused when it is taken, not when its file is written."""
+    _walk(tree, root, lambda tag, value: None)
+
+
+def _walk(node: Any, path: str, leaf: Callable[[str, torch.Tensor], Any]) -> Any:
+    """The tagged JSON structure of ``node``, ``leaf`` naming each tensor (the one place that
+    decides what the format holds)."""
+    if isinstance(node, torch.Tensor):
+        if node.layout is not torch.strided or node.is_meta:
+            kind = "meta" if node.is_meta else str(node.layout).removeprefix("torch.")
+            raise _refused(path, f"a {kind} tensor")
+        return leaf("__tensor__", node)
+    if isinstance(node, np.ndarray):
+        try:
+            array = torch.from_numpy(np.ascontiguousarray(node))
+        except TypeError:
+            raise _refused(path, f"a numpy array of dtype {node.dtype}") from None
+        return leaf("__ndarray__", array)
+    if isinstance(node, Mapping):
+        return {
+            "__dict__": [
+                [_walk(k, f"{path} (key {k!r})", leaf), _walk(v, f"{path}[{k!r}]", leaf)]
+                for k, v in node.items()
+            ]
+        }
+    if isinstance(node, tuple):
+        return {"__tuple__": [_walk(v, f"{path}[{i}]", leaf) for i, v in enumerate(node)]}
+    if isinstance(node, list):
+        return [_walk(v, f"{path}[{i}]", leaf) for i, v in enumerate(node)]
+    if isinstance(node, np.generic):
+        return _walk(node.item(), path, leaf)
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    raise _refused(path, f"a value of type {type(node).__name__}", _HINTS.get(type(node)))
+
+
+def _refused(path: str, what: str, instead: str | None = None) -> TypeError:
+    hint = f"; convert it to {instead}" if instead else ""
+    return TypeError(f"{path}: a checkpoint cannot hold {what} (only {_HOLDS}){hint}")
 
 
 def decode_tree(data: bytes) -> Any:
@@ -104,8 +146,23 @@ def dense_state(
     }
 
 
-def rank_state(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
-    """This rank's own state: RNG streams and each stateful object (data iterator, ...)."""
+def stateful_states(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Each stateful object's ``state_dict()``, checked, so that state a checkpoint cannot
+    hold is refused when the save is decided rather than when its file is written.
+
+    Raises:
+        TypeError: a value the format cannot hold, named by stateful and key path
+            (``statefuls['data']['seen']``).
+    """
+    states = {name: obj.state_dict() for name, obj in statefuls.items()}
+    for name, state in states.items():
+        check_tree(state, f"statefuls[{name!r}]")
+    return states
+
+
+def rank_state(states: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's own state: RNG streams and each stateful object's state (data iterator,
+    ...), as :func:`stateful_states` took it."""
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -113,7 +170,7 @@ def rank_state(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {"rng": rng, "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()}}
+    return {"rng": rng, "statefuls": dict(states)}
 
 
 def apply_rank_state(state: Mapping[str, Any], statefuls: Mapping[str, Stateful]) -> None:

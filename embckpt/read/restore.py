@@ -33,7 +33,9 @@ Resharding (writer plan -> this plan):
   is each rank's own; on another world size RNG streams are not restored (they belong to
   ranks that no longer exist), and each stateful is loaded from writer rank 0 only when every
   writer rank saved the same state for it and it accepts that state; anything not restored
-  is logged and listed in :attr:`RestoreResult.skipped`.
+  is logged and listed in :attr:`RestoreResult.skipped`, and so is, on any world size, a
+  stateful the checkpoint holds that the restore was not given
+  (:attr:`RestoreResult.unused_statefuls`).
 """
 
 from __future__ import annotations
@@ -131,9 +133,12 @@ class RestoreResult:
         phases: busy seconds of this rank's plan, fetch, verify, decode and apply, each summed
             over the threads that worked in it (see ``PhaseClock``); ``plan`` includes reading
             the chain's manifests.
-        skipped: per-rank state that was not restored, with the reason (world size changed).
+        skipped: per-rank state that was not restored, with the reason (world size changed,
+            or a stateful the checkpoint holds that the restore was not given).
         diff_rows: (block key, local rows) this rank restored from the chain's diffs: the rows
             that changed since the chain's full base (the caller's tracker marks them).
+        unused_statefuls: names of the statefuls the checkpoint holds that the restore was not
+            given (``statefuls=``), sorted; also listed, with the reason, in ``skipped``.
     """
 
     manifest: Manifest
@@ -144,6 +149,7 @@ class RestoreResult:
     skipped: tuple[str, ...]
     diff_rows: tuple[tuple[str, torch.Tensor], ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
+    unused_statefuls: tuple[str, ...] = ()
 
 
 def restore_checkpoint(
@@ -259,6 +265,7 @@ def restore_checkpoint(
         skipped=tuple(side.skipped),
         diff_rows=tuple((w.shard.key, w.local_rows) for w in written if w.from_diff),
         phases=clock.seconds(),
+        unused_statefuls=tuple(side.unused_statefuls),
     )
     log.info(
         "restored step %d (chain %s) in %.3f s: read %.1f MB of rows files for %.1f MB needed",

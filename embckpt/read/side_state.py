@@ -42,6 +42,7 @@ class SideState:
     rank: dict[str, Any] | None = None  # this rank's own file, same world size
     statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
     skipped: list[str] = field(default_factory=list)
+    unused_statefuls: list[str] = field(default_factory=list)  # saved, but not given to load
     dense_path: str = ""
     bytes_read: int = 0  # of the dense and per-rank files
 
@@ -80,6 +81,7 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
                 f"statefuls {absent}: not in checkpoint {store.step_path(head.step, own.path)} "
                 f"(it holds {sorted(saved)})"
             )
+        _note_unused(side, into, set(saved))
         return side
     side.skipped.append(
         f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
@@ -89,6 +91,7 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
         raw = store.read_checked(head.step, entry.written)
         side.bytes_read += raw.size
         states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
+    _note_unused(side, into, {name for s in states for name in s})
     for name in into.statefuls:
         saved_states = [s.get(name) for s in states]
         if not saved_states or any(s is None for s in saved_states):
@@ -102,6 +105,16 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
         else:
             side.statefuls[name] = saved_states[0]
     return side
+
+
+def _note_unused(side: SideState, into: RestoreTarget, saved: set[str]) -> None:
+    """Lists the statefuls the checkpoint holds that the restore was not given: their state
+    is not loaded, most likely a name that changed or a stateful left out by mistake."""
+    side.unused_statefuls = sorted(saved - set(into.statefuls))
+    side.skipped.extend(
+        f"stateful {name!r}: the checkpoint holds it, but statefuls= does not name it"
+        for name in side.unused_statefuls
+    )
 
 
 def check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:

@@ -5,9 +5,10 @@ Pipeline of one ``save(step)`` (every rank calls it together):
 1. resolve  - the previous checkpoint's persist must be done (one in flight); its outcome is
               applied (:mod:`embckpt.save.transaction`) and its failure, if nobody saw it yet,
               raised here;
-2. decide   - fold the row trackers, combine dirty fractions and interval measurements over
-              ranks (with any rank's error), ask the policy (identical inputs everywhere, so an
-              identical decision);
+2. decide   - fold the row trackers, take the statefuls' state (refusing what a checkpoint
+              cannot hold), combine dirty fractions and interval measurements over ranks (with
+              any rank's error), ask the policy (identical inputs everywhere, so an identical
+              decision);
 3. snapshot - take the tracker views the decision consumes, copy the dense state, and copy the
               rows to write (all, or the dirty rows) with their optimizer state into the staging
               arena. A checkpoint larger than the staging budget is staged and written piece by
@@ -128,7 +129,7 @@ class Saver:
         self.follow_expected_restores()
         transaction = SaveTransaction(step, self.state)
         try:
-            decision, dirty = self._decide(step, transaction)
+            decision, dirty, states = self._decide(step, transaction)
         except BaseException:
             transaction.roll_back()
             raise
@@ -137,7 +138,7 @@ class Saver:
         clock = PhaseClock()
         mode = self.ctx.config.pipeline
         try:
-            snapshot = self._snapshot(step, decision, dirty, started, clock, transaction)
+            snapshot = self._snapshot(step, decision, dirty, states, started, clock, transaction)
             if mode == "off":
                 _run_into(future, self._persister.persist, snapshot)
             else:
@@ -185,7 +186,9 @@ class Saver:
 
     def _decide(
         self, step: int, transaction: SaveTransaction
-    ) -> tuple[Decision, dict[View, float]]:
+    ) -> tuple[Decision, dict[View, float], dict[str, Any]]:
+        """Decides the checkpoint, the same on every rank, and takes the statefuls' state (the
+        snapshot copies it)."""
         ctx, state = self.ctx, self.state
         comm = ctx.comm
         try:
@@ -197,9 +200,11 @@ class Saver:
         state.tracker.fold()  # collective for replicated tables: before anything may raise
         local = [0.0, 0.0, 0.0]
         measured = state.clock.collect(state.last_blocked_s)
+        states: dict[str, Any] = {}
         error: BaseException | None = None
         try:
             failpoints.hit("save.decide")
+            states = self._take_statefuls(step)
             self.mark_moving_rows()
             for shard in ctx.sharded.writer_shards():
                 local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
@@ -235,7 +240,17 @@ class Saver:
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="additive codec: no reconstructed base yet")
         transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
-        return decision, dirty
+        return decision, dirty, states
+
+    def _take_statefuls(self, step: int) -> dict[str, Any]:
+        """The statefuls' state, checked when the save is decided so that one a checkpoint
+        cannot hold fails the save on every rank (the decision's agreement) before anything is
+        written, naming the stateful and the key."""
+        try:
+            return dense.stateful_states(self.ctx.statefuls)
+        except Exception as exc:
+            rank = self.ctx.comm.rank
+            raise SaveError(f"step {step}: rank {rank}: cannot save the statefuls: {exc}") from exc
 
     def mark_moving_rows(self) -> None:
         """Marks the rows of data-parallel tables that their dense optimizer moves without a
@@ -286,6 +301,7 @@ class Saver:
         step: int,
         decision: Decision,
         dirty: dict[View, float],
+        states: dict[str, Any],
         started: float,
         clock: PhaseClock,
         transaction: SaveTransaction,
@@ -306,7 +322,7 @@ class Saver:
             restores=self.restores,
         )
         try:
-            pieces = self._stage_state(snapshot)
+            pieces = self._stage_state(snapshot, states)
         except Exception as exc:
             snapshot.error = exc
             return snapshot
@@ -325,8 +341,9 @@ class Saver:
         snapshot.pending = pieces[-1]
         return snapshot
 
-    def _stage_state(self, snapshot: Snapshot) -> list[list[Unit]]:
-        """Takes the tracker views, copies the dense and rank state, and plans the pieces."""
+    def _stage_state(self, snapshot: Snapshot, states: dict[str, Any]) -> list[list[Unit]]:
+        """Takes the tracker views, copies the dense and rank state (``states``: the statefuls'
+        as taken at the decision), and plans the pieces."""
         ctx, tracker = self.ctx, self.state.tracker
         decision = snapshot.decision
         selected = []
@@ -348,7 +365,7 @@ class Saver:
                         ctx.sharded.scalar_states,
                     )
                 )
-            snapshot.rank = dense.detached_copy(dense.rank_state(ctx.statefuls))
+            snapshot.rank = dense.detached_copy(dense.rank_state(states))
         failpoints.hit("save.plan")
         budget = ctx.config.staging_budget_bytes
         units = plan_units(selected, ctx.config.max_file_rows, budget)
