@@ -14,11 +14,13 @@ belongs to the dense optimizer, not to the fused one.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from embckpt.errors import ModelMismatchError
 
@@ -188,6 +190,18 @@ def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
     if fused is None:
         return {}
     return dict(fused.state_dict().get("state", {}))
+
+
+def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
+    """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
+    collections. Sharded collections hide their lookups from ``named_modules``, so this walks
+    their ``_lookups`` explicitly."""
+    for module in model.modules():
+        for lookup in getattr(module, "_lookups", ()):
+            inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
+            for batched in getattr(inner, "_emb_modules", ()):
+                if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
+                    yield batched
 
 
 def _sharding_types(model: nn.Module) -> dict[str, str]:

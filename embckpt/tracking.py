@@ -22,9 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from embckpt.sharding import TableShard
+from embckpt.sharding import TableShard, batched_embedding_modules
 
 
 class View(str, Enum):
@@ -199,15 +198,3 @@ class RowTracker:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-
-def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
-    """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
-    collections. Sharded collections hide their lookups from ``named_modules``, so this walks
-    their ``_lookups`` explicitly."""
-    for module in model.modules():
-        for lookup in getattr(module, "_lookups", ()):
-            inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
-            for batched in getattr(inner, "_emb_modules", ()):
-                if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
-                    yield batched

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.tracking import batched_embedding_modules
+from embckpt.sharding import batched_embedding_modules
 
 
 class UpdateGuard:
