@@ -9,6 +9,9 @@ the model: that is how a restore loads rows without rebuilding any module.
 Works for table-, row-, column-, table-row-wise and data-parallel tables. Data-parallel tables are
 replicated: every rank holds the whole table, only rank 0 writes it, and its optimizer state
 belongs to the dense optimizer, not to the fused one.
+
+The fused optimizer also keeps state that is not per row: FBGEMM counts its steps per
+table-batched kernel (:class:`FusedKernel`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from embckpt.errors import ModelMismatchError
 
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+
+# FBGEMM's optimizer state that is one value per kernel: ``iter`` (Adam's and LAMB's bias
+# correction, counter-based regularization, the EMA and global weight decay schedules) and
+# ``max_counter`` (counter-based regularization's normaliser).
+FUSED_COUNTERS = ("iter", "max_counter")
 
 
 @dataclass
@@ -69,6 +77,33 @@ class TableShard:
 
 
 @dataclass
+class FusedKernel:
+    """One FBGEMM table-batched kernel of the fused optimizer, and the blocks it holds.
+
+    Attributes:
+        module: the kernel (TorchRec's ``emb_module``).
+        blocks: ``TableShard.key`` of each block it holds; its counters are theirs.
+    """
+
+    module: nn.Module
+    blocks: tuple[str, ...]
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Live views of the kernel's counters (:data:`FUSED_COUNTERS` it has)."""
+        found = {name: getattr(self.module, name, None) for name in FUSED_COUNTERS}
+        return {k: v for k, v in found.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+
+    def reload_iter(self) -> None:
+        """After ``iter`` was written: FBGEMM steps from a host copy, ``iter_cpu``, which it
+        re-reads from ``iter`` only while that copy is 0 (``set_optimizer_step`` leaves it
+        stale in a process that has trained)."""
+        counter = self.counters().get("iter")
+        mirror = getattr(self.module, "iter_cpu", None)
+        if counter is not None and isinstance(mirror, torch.Tensor):
+            mirror.fill_(int(counter.item()))
+
+
+@dataclass
 class ShardedModel:
     """All of this rank's table blocks, plus what the dense side of a checkpoint must skip."""
 
@@ -79,6 +114,7 @@ class ShardedModel:
     placements: dict[str, list[tuple[int, int, int, int, int]]]
     table_keys: set[str]
     scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    kernels: list[FusedKernel] = field(default_factory=list)
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
@@ -174,6 +210,10 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
                     writer=rank == 0,
                 )
             )
+    kernels = _fused_kernels(model, shards)
+    for kernel in kernels:
+        for name, tensor in kernel.counters().items():
+            scalars.update({f"{block}/{name}": tensor for block in kernel.blocks})
     return ShardedModel(
         shards=shards,
         table_shapes=shapes,
@@ -182,6 +222,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         placements=placements,
         table_keys={fqn for fqn in state if _TABLE_KEY.search(fqn)},
         scalar_states=scalars,
+        kernels=kernels,
     )
 
 
@@ -190,6 +231,23 @@ def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
     if fused is None:
         return {}
     return dict(fused.state_dict().get("state", {}))
+
+
+def _fused_kernels(model: nn.Module, shards: list[TableShard]) -> list[FusedKernel]:
+    """Every FBGEMM training kernel (one with a step counter) and the blocks it holds."""
+    by_block = {(s.table, s.row_offset, s.col_offset): s.key for s in shards}
+    kernels = []
+    for batched in batched_embedding_modules(model):
+        module = batched.emb_module
+        if not isinstance(getattr(module, "iter", None), torch.Tensor):
+            continue  # a data-parallel table's dense kernel: no fused optimizer
+        blocks = []
+        for table in batched._config.embedding_tables:
+            meta = table.local_metadata
+            offsets = (0, 0) if meta is None else (meta.shard_offsets[0], meta.shard_offsets[1])
+            blocks.append(by_block[(table.name, int(offsets[0]), int(offsets[1]))])
+        kernels.append(FusedKernel(module, tuple(blocks)))
+    return kernels
 
 
 def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
@@ -240,8 +298,8 @@ def _attach_optimizer_state(
         elif tensor.dim() == 1 and tensor.numel() == shard.num_rows:
             shard.row_states[name] = tensor
         elif tensor.numel() <= 1:
-            # e.g. Adam's step counter: one value per table, saved with the dense state.
-            scalars[f"{shard.fqn}/{name}"] = tensor
+            # One value per block (FBGEMM's ``iter``, shared by its kernel's blocks).
+            scalars[f"{shard.key}/{name}"] = tensor
         else:
             raise ModelMismatchError(
                 f"table {shard.table}: optimizer state {name!r} of shape {tuple(tensor.shape)} "

@@ -100,6 +100,8 @@ class Saver:
             else None
         )
         self._blocked_since_tick = 0.0
+        # Every rank's fused-optimizer counters as of the last decision: rank 0 saves them.
+        self._fused_scalars: dict[str, torch.Tensor] = {}
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
         self._persister = Persister(context, state, writer, self._stage_piece, self._guard)
@@ -196,11 +198,13 @@ class Saver:
             raise SaveError(problem)
         state.tracker.fold()  # collective for replicated tables: before anything may raise
         local = [0.0, 0.0, 0.0]
+        scalars: dict[str, torch.Tensor] = {}
         measured = state.clock.collect(state.last_blocked_s)
         error: BaseException | None = None
         try:
             failpoints.hit("save.decide")
             self.mark_moving_rows()
+            scalars = {k: v.detach().cpu().clone() for k, v in ctx.sharded.scalar_states.items()}
             for shard in ctx.sharded.writer_shards():
                 local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
                 local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
@@ -209,8 +213,9 @@ class Saver:
             error = as_save_error(exc, step, comm.rank, "deciding")
         times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
         gathered = comm.gather_checked(
-            (local, times), error, f"deciding step {step}", SaveRankError
+            (local, times, scalars), error, f"deciding step {step}", SaveRankError
         )
+        self._fused_scalars = {k: v for g in gathered for k, v in g[2].items()}
         since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
         clean, extra, blocked = (max(g[1][i] for g in gathered) for i in range(3))
         if ctx.config.adaptive_interval and measured.iterations:
@@ -345,7 +350,7 @@ class Saver:
                         ctx.model,
                         ctx.optimizer,
                         ctx.sharded.table_keys,
-                        ctx.sharded.scalar_states,
+                        self._fused_scalars,
                     )
                 )
             snapshot.rank = dense.detached_copy(dense.rank_state(ctx.statefuls))
