@@ -11,7 +11,8 @@ replicated: every rank holds the whole table, only rank 0 writes it, and its opt
 belongs to the dense optimizer, not to the fused one.
 
 The fused optimizer also keeps state that is not per row: FBGEMM counts its steps per
-table-batched kernel (:class:`FusedKernel`).
+table-batched kernel (:class:`FusedKernel`), and a few of its optimizers rewrite every row of
+their tables at their steps, not only the rows looked up.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight
 # correction, counter-based regularization, the EMA and global weight decay schedules) and
 # ``max_counter`` (counter-based regularization's normaliser).
 FUSED_COUNTERS = ("iter", "max_counter")
+# FBGEMM optimizers whose steps rewrite every row of their tables, not only the rows looked up.
+_EVERY_ROW = {
+    "EMAINPLACE_ROWWISE_ADAGRAD": "an EMA of every row every emainplace_mode.step_ema steps",
+    "ENSEMBLE_ROWWISE_ADAGRAD": "an EMA and swap of every row (ensemble_mode)",
+}
 
 
 @dataclass
@@ -83,10 +89,12 @@ class FusedKernel:
     Attributes:
         module: the kernel (TorchRec's ``emb_module``).
         blocks: ``TableShard.key`` of each block it holds; its counters are theirs.
+        every_row: why its steps rewrite every row of its blocks (None: only rows looked up).
     """
 
     module: nn.Module
     blocks: tuple[str, ...]
+    every_row: str | None = None
 
     def counters(self) -> dict[str, torch.Tensor]:
         """Live views of the kernel's counters (:data:`FUSED_COUNTERS` it has)."""
@@ -118,6 +126,10 @@ class ShardedModel:
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
+
+    def every_row_blocks(self) -> dict[str, str]:
+        """Block key -> why the fused optimizer rewrites every row of it at its steps."""
+        return {b: k.every_row for k in self.kernels if k.every_row for b in k.blocks}
 
     def local_fp32_bytes(self) -> float:
         """Bytes an uncompressed fp32 copy of this rank's written blocks and their optimizer
@@ -246,7 +258,10 @@ def _fused_kernels(model: nn.Module, shards: list[TableShard]) -> list[FusedKern
             meta = table.local_metadata
             offsets = (0, 0) if meta is None else (meta.shard_offsets[0], meta.shard_offsets[1])
             blocks.append(by_block[(table.name, int(offsets[0]), int(offsets[1]))])
-        kernels.append(FusedKernel(module, tuple(blocks)))
+        optimizer = getattr(getattr(module, "optimizer", None), "name", "")
+        every_row = _EVERY_ROW.get(optimizer)
+        reason = None if every_row is None else f"optimizer={optimizer}: {every_row}"
+        kernels.append(FusedKernel(module, tuple(blocks), reason))
     return kernels
 
 

@@ -1,17 +1,19 @@
-"""The fused optimizer's state that is not per row: training goes on after a restore exactly
-as if it had never stopped.
+"""The fused optimizer's state that is not per row, and optimizers that write rows no lookup
+touched: training goes on after a restore exactly as if it had never stopped.
 
 For every fused optimizer and weight decay mode FBGEMM runs on CPU, 2 gloo ranks train 12 steps
 (a full checkpoint at step 3, diffs at 6 and 8); fresh processes that trained a little on their
 own restore step 8 and train steps 9-12 again: weights, every optimizer state and FBGEMM's
-counters must equal the run that never stopped, bit for bit, at step 8 and at step 12. Adam
-and LAMB, which FBGEMM refuses on CPU, run the same scenario on a GPU (``gpu`` marker).
+counters must equal the run that never stopped, bit for bit, at step 8 and at step 12. EMA in
+place rewrites every row of its tables, which the diffs must hold. Adam and LAMB, which FBGEMM
+refuses on CPU, run the same scenario on a GPU (``gpu`` marker).
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ from fbgemm_gpu.tbe.config.optimizer_config import (
     CounterBasedRegularizationDefinition,
     CounterWeightDecayMode,
     CowClipDefinition,
+    EmainplaceModeDefinition,
     GlobalWeightDecayDefinition,
     WeightDecayMode,
 )
@@ -72,6 +75,10 @@ CPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
             ),
         },
     ),
+    "ema": (
+        Opt.EMAINPLACE_ROWWISE_ADAGRAD,
+        {"emainplace_mode": EmainplaceModeDefinition(step_ema=3, step_start=0, step_ema_coef=0.5)},
+    ),
 }
 GPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
     "adam": (Opt.ADAM, {}),
@@ -88,6 +95,7 @@ GPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
         },
     ),
     "rowwise_counter": CPU_CASES["rowwise_counter"],
+    "ema": CPU_CASES["ema"],
 }
 
 
@@ -148,7 +156,7 @@ def _resume(
     for name, case in cases.items():
         expected = reference[rank][name]
         model, opt = _build(case, world_size, 7, device)
-        _step(model, opt, 101, rank, device)
+        _step(model, opt, 101, rank, device)  # one step: off the EMA's phase (3) too
         with Checkpointer(model, f"{root}/{name}", optimizer=opt) as ckpt:
             restored = ckpt.restore()
         after_restore = _state(model, opt, rank)
@@ -306,3 +314,21 @@ def test_saved_counters_are_found_for_each_block(caplog) -> None:
     legacy = {"ebc.c.weight/iter": torch.tensor([5.0])}
     assert _items(fused_scalar_values(live, legacy)) == {"c/r0_c0/iter": 5.0}
     assert fused_scalar_values(live, {}) == {}
+
+
+def test_a_background_copy_holds_back_a_kernel_that_rewrites_every_row() -> None:
+    """EMA in place rewrites rows in the kernel's forward: under ``pipeline="full"`` that
+    forward waits for the copy of the checkpoint's rows, like the backward does."""
+    from embckpt.save.guards import UpdateGuard
+
+    kernel = torch.nn.Linear(2, 2)
+    guard = UpdateGuard(torch.nn.Linear(2, 2), None, [kernel])
+    guard.hold()
+    forward = threading.Thread(target=kernel, args=(torch.ones(1, 2),))
+    forward.start()
+    forward.join(0.2)
+    assert forward.is_alive(), "the forward ran during the copy"
+    guard.release()
+    forward.join(5)
+    assert not forward.is_alive()
+    guard.close()

@@ -95,7 +95,11 @@ class Saver:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._inflight: PendingCheckpoint | None = None
         self._guard = (
-            UpdateGuard(context.model, context.optimizer)
+            UpdateGuard(
+                context.model,
+                context.optimizer,
+                [k.module for k in context.sharded.kernels if k.every_row],
+            )
             if context.config.pipeline == "full"
             else None
         )
@@ -243,15 +247,20 @@ class Saver:
         return decision, dirty
 
     def mark_moving_rows(self) -> None:
-        """Marks the rows of data-parallel tables that their dense optimizer moves without a
-        lookup (non-zero momentum, or every row under weight decay): the lookups alone do not
-        say which changed."""
+        """Marks the rows that change without a lookup, which the lookups alone do not say
+        changed: of data-parallel tables, those their dense optimizer moves (non-zero momentum,
+        or every row under weight decay); every row of blocks whose fused optimizer rewrites
+        them all (EMA in place)."""
         ctx, tracker = self.ctx, self.state.tracker
         moving = dense.moving_rows(dense.optimizer_parts(ctx.optimizer, ctx.model))
+        every_row = ctx.sharded.every_row_blocks()
         for shard in ctx.sharded.writer_shards():
-            if shard.sharding_type != "data_parallel" or shard.weight.data_ptr() not in moving:
+            if shard.key in every_row:
+                rows = None
+            elif shard.sharding_type == "data_parallel" and shard.weight.data_ptr() in moving:
+                rows = moving[shard.weight.data_ptr()]
+            else:
                 continue
-            rows = moving[shard.weight.data_ptr()]
             if rows is None:
                 marked = torch.arange(shard.num_rows, device=shard.weight.device)
             else:
