@@ -114,6 +114,14 @@ class Checkpointer:
         # The root exists and is ours before any rank lists it.
         self.comm.check(error, f"opening {self.store.uri}")
         self.sharded: ShardedModel = discover(model, self.comm.rank)
+        every_row = self.sharded.every_row_blocks()
+        if every_row:
+            log.info(
+                "blocks %s: every checkpoint writes all their rows: their fused optimizer "
+                "rewrites every row, looked up or not (%s)",
+                sorted(every_row),
+                "; ".join(sorted(set(every_row.values()))),
+            )
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
         self.policy = make_policy(config)
         self.interval = AdaptiveInterval(config.interval, config.stall_bound)

@@ -9,16 +9,23 @@ the model: that is how a restore loads rows without rebuilding any module.
 Works for table-, row-, column-, table-row-wise and data-parallel tables. Data-parallel tables are
 replicated: every rank holds the whole table, only rank 0 writes it, and its optimizer state
 belongs to the dense optimizer, not to the fused one.
+
+The fused optimizer also keeps state that is not per row: FBGEMM counts its steps per
+table-batched kernel (:class:`FusedKernel`), and a few of its optimizers rewrite every row of
+their tables at their steps, not only the rows looked up.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import get_unwrapped_module
 
 from embckpt.errors import ModelMismatchError
 
@@ -30,6 +37,17 @@ def table_id(module_path: str, name: str) -> str:
     (``sparse_arch.embedding_bag_collection.t0``), so that two collections may both have a
     table ``t0``. A table outside any named module keeps its bare name."""
     return f"{module_path}.{name}" if module_path else name
+
+
+# FBGEMM's optimizer state that is one value per kernel: ``iter`` (Adam's and LAMB's bias
+# correction, counter-based regularization, the EMA and global weight decay schedules) and
+# ``max_counter`` (counter-based regularization's normaliser).
+FUSED_COUNTERS = ("iter", "max_counter")
+# FBGEMM optimizers whose steps rewrite every row of their tables, not only the rows looked up.
+_EVERY_ROW = {
+    "EMAINPLACE_ROWWISE_ADAGRAD": "an EMA of every row every emainplace_mode.step_ema steps",
+    "ENSEMBLE_ROWWISE_ADAGRAD": "an EMA and swap of every row (ensemble_mode)",
+}
 
 
 @dataclass
@@ -76,6 +94,35 @@ class TableShard:
 
 
 @dataclass
+class FusedKernel:
+    """One FBGEMM table-batched kernel of the fused optimizer, and the blocks it holds.
+
+    Attributes:
+        module: the kernel (TorchRec's ``emb_module``).
+        blocks: ``TableShard.key`` of each block it holds; its counters are theirs.
+        every_row: why its steps rewrite every row of its blocks (None: only rows looked up).
+    """
+
+    module: nn.Module
+    blocks: tuple[str, ...]
+    every_row: str | None = None
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Live views of the kernel's counters (:data:`FUSED_COUNTERS` it has)."""
+        found = {name: getattr(self.module, name, None) for name in FUSED_COUNTERS}
+        return {k: v for k, v in found.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+
+    def reload_iter(self) -> None:
+        """After ``iter`` was written: FBGEMM steps from a host copy, ``iter_cpu``, which it
+        re-reads from ``iter`` only while that copy is 0 (``set_optimizer_step`` leaves it
+        stale in a process that has trained)."""
+        counter = self.counters().get("iter")
+        mirror = getattr(self.module, "iter_cpu", None)
+        if counter is not None and isinstance(mirror, torch.Tensor):
+            mirror.fill_(int(counter.item()))
+
+
+@dataclass
 class ShardedModel:
     """All of this rank's table blocks, plus what the dense side of a checkpoint must skip."""
 
@@ -86,9 +133,14 @@ class ShardedModel:
     placements: dict[str, list[tuple[int, int, int, int, int]]]
     table_keys: set[str]
     scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    kernels: list[FusedKernel] = field(default_factory=list)
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
+
+    def every_row_blocks(self) -> dict[str, str]:
+        """Block key -> why the fused optimizer rewrites every row of it at its steps."""
+        return {b: k.every_row for k in self.kernels if k.every_row for b in k.blocks}
 
     def local_fp32_bytes(self) -> float:
         """Bytes an uncompressed fp32 copy of this rank's written blocks and their optimizer
@@ -184,6 +236,10 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
                     writer=rank == 0,
                 )
             )
+    kernels = _fused_kernels(model, shards)
+    for kernel in kernels:
+        for name, tensor in kernel.counters().items():
+            scalars.update({f"{block}/{name}": tensor for block in kernel.blocks})
     return ShardedModel(
         shards=shards,
         table_shapes=shapes,
@@ -192,6 +248,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         placements=placements,
         table_keys={fqn for fqn in state if _TABLE_KEY.search(fqn)},
         scalar_states=scalars,
+        kernels=kernels,
     )
 
 
@@ -200,6 +257,45 @@ def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
     if fused is None:
         return {}
     return dict(fused.state_dict().get("state", {}))
+
+
+def _fused_kernels(model: nn.Module, shards: list[TableShard]) -> list[FusedKernel]:
+    """Every FBGEMM training kernel (one with a step counter) and the blocks it holds."""
+    by_block = {(s.table, s.row_offset, s.col_offset): s.key for s in shards}
+    kernels = []
+    for path, batched in collection_kernels(model):
+        module = batched.emb_module
+        if not isinstance(getattr(module, "iter", None), torch.Tensor):
+            continue  # a data-parallel table's dense kernel: no fused optimizer
+        blocks = []
+        for table in batched._config.embedding_tables:
+            meta = table.local_metadata
+            offsets = (0, 0) if meta is None else (meta.shard_offsets[0], meta.shard_offsets[1])
+            blocks.append(by_block[(table_id(path, table.name), int(offsets[0]), int(offsets[1]))])
+        optimizer = getattr(getattr(module, "optimizer", None), "name", "")
+        every_row = _EVERY_ROW.get(optimizer)
+        reason = None if every_row is None else f"optimizer={optimizer}: {every_row}"
+        kernels.append(FusedKernel(module, tuple(blocks), reason))
+    return kernels
+
+
+def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
+    """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
+    collections."""
+    return (batched for _, batched in collection_kernels(model))
+
+
+def collection_kernels(model: nn.Module) -> Iterable[tuple[str, Any]]:
+    """Each batched embedding kernel with its sharded collection's module path (as
+    ``model.state_dict()`` spells it: the tables' identities start with it). Sharded
+    collections hide their lookups from ``named_modules``, so this walks their ``_lookups``
+    explicitly. Paths are taken inside DMP's and DDP's wrappers, as ``state_dict`` does."""
+    for path, module in get_unwrapped_module(model).named_modules():
+        for lookup in getattr(module, "_lookups", ()):
+            inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
+            for batched in getattr(inner, "_emb_modules", ()):
+                if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
+                    yield path, batched
 
 
 def _sharding_types(model: nn.Module) -> dict[str, str]:
@@ -238,8 +334,8 @@ def _attach_optimizer_state(
         elif tensor.dim() == 1 and tensor.numel() == shard.num_rows:
             shard.row_states[name] = tensor
         elif tensor.numel() <= 1:
-            # e.g. Adam's step counter: one value per table, saved with the dense state.
-            scalars[f"{shard.fqn}/{name}"] = tensor
+            # One value per block (FBGEMM's ``iter``, shared by its kernel's blocks).
+            scalars[f"{shard.key}/{name}"] = tensor
         else:
             raise ModelMismatchError(
                 f"table {shard.table}: optimizer state {name!r} of shape {tuple(tensor.shape)} "

@@ -22,10 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from embckpt.sharding import TableShard, table_id
+from embckpt.sharding import TableShard, collection_kernels, table_id
 
 
 class View(str, Enum):
@@ -202,22 +200,3 @@ class RowTracker:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-
-def batched_embedding_modules(model: nn.Module) -> Iterable[Any]:
-    """Every TorchRec batched embedding kernel (fused or dense) under the model's sharded
-    collections."""
-    return (batched for _, batched in collection_kernels(model))
-
-
-def collection_kernels(model: nn.Module) -> Iterable[tuple[str, Any]]:
-    """Each batched embedding kernel with its sharded collection's module path (as
-    ``model.state_dict()`` spells it: the tables' identities start with it). Sharded
-    collections hide their lookups from ``named_modules``, so this walks their ``_lookups``
-    explicitly. Paths are taken inside DMP's and DDP's wrappers, as ``state_dict`` does."""
-    for path, module in get_unwrapped_module(model).named_modules():
-        for lookup in getattr(module, "_lookups", ()):
-            inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
-            for batched in getattr(inner, "_emb_modules", ()):
-                if hasattr(batched, "emb_module") and hasattr(batched, "_config"):
-                    yield path, batched

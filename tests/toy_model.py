@@ -49,9 +49,13 @@ def build(
     rows: int = ROWS,
     optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD,
     sharding: dict[str, str] | None = None,
+    fused: dict[str, Any] | None = None,
+    device: str = "cpu",
 ):
     """A DMP model and its dense optimizer; ``seed`` sets every initial value. ``sharding``
-    shards table ``t_<kind>`` as another kind instead (``{"tw": "rw"}``: a resharded job)."""
+    shards table ``t_<kind>`` as another kind instead (``{"tw": "rw"}``: a resharded job);
+    ``fused`` adds FBGEMM options to the fused optimizer's (weight decay, EMA); ``device``:
+    where the model runs (``cuda``: one rank per GPU)."""
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(
@@ -67,22 +71,27 @@ def build(
         over_arch_layer_sizes=[16, 1],
     )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": optimizer, "learning_rate": 0.1}
+        fused_params={"optimizer": optimizer, "learning_rate": 0.1, **(fused or {})}
     )
     module_plan = plan_tables(
         model.sparse_arch.embedding_bag_collection,
         {f"t_{k}": (sharding or {}).get(k, k) for k in kinds},
         sharder,
         world_size,
+        device,
     )
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan})
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(
+        model, device=torch.device(device), plan=plan, sharders=[sharder]
+    )
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = torch.optim.Adagrad(list(dense_params.values()), lr=0.05)
     return dmp, dense_opt
 
 
-def plan_tables(ebc: Any, kinds: dict[str, str], sharder: Any, world_size: int) -> Any:
+def plan_tables(
+    ebc: Any, kinds: dict[str, str], sharder: Any, world_size: int, device_type: str = "cpu"
+) -> Any:
     """The module sharding plan of ``ebc`` that shards each table as its kind says: ``tw``
     (on the last rank), ``rw``, ``cw`` (over every rank), ``twrw`` or ``dp``; fused kernels."""
     generators = {
@@ -98,7 +107,7 @@ def plan_tables(ebc: Any, kinds: dict[str, str], sharder: Any, world_size: int) 
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
-        device_type="cpu",
+        device_type=device_type,
     )
     for name, kind in kinds.items():
         if kind == "twrw":

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ from embckpt.errors import (
     RestoreRankError,
 )
 from embckpt.read.target import RestoreTarget
+from embckpt.sharding import ShardedModel
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 
@@ -182,6 +185,49 @@ def check_optimizer(optimizer: Any, saved: dict[str, Any], path: str) -> None:
                 )
 
 
+def fused_scalar_values(sharded: ShardedModel, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved value of each of this rank's fused-optimizer scalars (``<block>/<name>``):
+    the block's own; on another plan, the largest of its table's saved blocks; from older
+    writers, the table's (``<fqn>/<name>``). Blocks of one kernel share its counter, which gets
+    the largest of their values. A scalar nothing saved is left out: it stays as it is."""
+    by_table: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for key, value in saved.items():
+        by_table[_table_and_name(key)].append(value)
+    fqns = {s.key: s.fqn for s in sharded.shards}
+    found: dict[str, list[Any]] = {}
+    for key in sharded.scalar_states:
+        block, _, name = key.rpartition("/")
+        legacy = f"{fqns[block]}/{name}"
+        if key in saved:
+            found[key] = [saved[key]]
+        elif _table_and_name(key) in by_table:
+            found[key] = by_table[_table_and_name(key)]
+        elif legacy in saved:
+            found[key] = [saved[legacy]]
+    shared: dict[int, list[str]] = defaultdict(list)  # keys of one live tensor
+    for key in found:
+        shared[sharded.scalar_states[key].data_ptr()].append(key)
+    values: dict[str, Any] = {}
+    for keys in shared.values():
+        candidates = [v for k in keys for v in found[k]]
+        largest = max(candidates, key=lambda v: v.item())
+        if keys[0].endswith("/iter") and any(v.item() != largest.item() for v in candidates):
+            log.warning(
+                "blocks %s share one FBGEMM step counter, saved with different values %s: "
+                "restoring the largest",
+                sorted(k.rpartition("/")[0] for k in keys),
+                sorted({v.item() for v in candidates}),
+            )
+        values.update(dict.fromkeys(keys, largest))
+    return values
+
+
+def _table_and_name(key: str) -> tuple[str, str]:
+    """``<table>/r<row>_c<col>/<name>`` -> (table, name)."""
+    block, _, name = key.rpartition("/")
+    return block.rpartition("/")[0], name
+
+
 @dataclass
 class _Prior:
     """Copies of everything :func:`apply_side_state` overwrites, to put back on failure."""
@@ -203,10 +249,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
             optimizer's ``load_state_dict`` raised is re-raised on its own rank.
     """
     state = dict(side.dense)
-    # A rank holds scalar optimizer states (e.g. Adam's step) only for its own tables.
-    state["fused_scalars"] = {
-        k: v for k, v in state["fused_scalars"].items() if k in into.sharded.scalar_states
-    }
+    state["fused_scalars"] = fused_scalar_values(into.sharded, state.get("fused_scalars", {}))
     pairs = _optimizer_pairs(into, state, side.dense_path)
     loading = into.statefuls if side.rank is not None else side.statefuls
     prior = _capture(into, state, [opt for opt, _ in pairs], list(loading))
@@ -235,6 +278,8 @@ def _apply(
         live[key].copy_(value)
     for key, value in state["fused_scalars"].items():
         into.sharded.scalar_states[key].copy_(value)
+    for kernel in into.sharded.kernels:
+        kernel.reload_iter()
     for optimizer, saved in pairs:
         dense.create_missing_state(optimizer, set(saved.get("state", {})))
         check_optimizer(optimizer, saved, side.dense_path)
@@ -283,6 +328,8 @@ def _roll_back(into: RestoreTarget, prior: _Prior) -> None:
         live[key].copy_(value)
     for key, value in prior.scalars.items():
         into.sharded.scalar_states[key].copy_(value)
+    for kernel in into.sharded.kernels:
+        kernel.reload_iter()
     for optimizer, saved_state, groups in prior.optimizers:
         current = optimizer.state
         for param in [p for p in current if p not in saved_state]:

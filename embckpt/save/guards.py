@@ -1,12 +1,14 @@
 """Holding weight updates back while a snapshot copy runs in the background.
 
 With full pipelining the rows of a checkpoint are copied while the next iteration already runs.
-Reads are harmless; writes are not. Weights change in exactly two places: the fused embedding
-kernels' backward (weights and their optimizer state, in place) and the dense optimizer's step.
+Reads are harmless; writes are not. Weights change in exactly three places: the fused embedding
+kernels' backward (weights and their optimizer state, in place), the forward of a kernel whose
+optimizer rewrites every row (FBGEMM's EMA in place) and the dense optimizer's step.
 A forward hook on every embedding kernel attaches a gradient hook to its output that waits for
-the copy (gradient hooks run before the kernel's backward consumes the gradient), and the
-``step`` of every dense optimizer part waits too (each part of a ``CombinedOptimizer``, so a
-step through the combined optimizer or through the part itself is held alike).
+the copy (gradient hooks run before the kernel's backward consumes the gradient), a forward
+pre-hook on each kernel that rewrites every row waits before its forward, and the ``step`` of
+every dense optimizer part waits too (each part of a ``CombinedOptimizer``, so a step through
+the combined optimizer or through the part itself is held alike).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from embckpt import dense
-from embckpt.tracking import batched_embedding_modules
+from embckpt.sharding import batched_embedding_modules
 
 
 class UpdateGuard:
@@ -27,14 +29,18 @@ class UpdateGuard:
     Args:
         model: the DMP model whose embedding kernels are hooked.
         optimizer: the optimizer passed to the ``Checkpointer``, or None.
+        rewriters: the kernels whose forward rewrites every row (``FusedKernel.every_row``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any | None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any | None, rewriters: list[nn.Module]) -> None:
         self._released = threading.Event()
         self._released.set()
         self._hooks = [
             batched.emb_module.register_forward_hook(self._guard_output)
             for batched in batched_embedding_modules(model)
+        ]
+        self._hooks += [
+            kernel.register_forward_pre_hook(self._wait_before_forward) for kernel in rewriters
         ]
         # Step pre-hooks do not fire for torchrec's KeyedOptimizerWrapper, which delegates
         # step() to an inner optimizer: wrap each part's own step instead.
@@ -63,6 +69,9 @@ class UpdateGuard:
             output.register_hook(self._wait_then_pass)
         else:
             self._released.wait()
+
+    def _wait_before_forward(self, _module: nn.Module, _args: Any) -> None:
+        self._released.wait()  # returns None: a pre-hook's result would replace the inputs
 
     def _wait_then_pass(self, grad: torch.Tensor) -> torch.Tensor:
         self._released.wait()

@@ -96,11 +96,17 @@ class Saver:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._inflight: PendingCheckpoint | None = None
         self._guard = (
-            UpdateGuard(context.model, context.optimizer)
+            UpdateGuard(
+                context.model,
+                context.optimizer,
+                [k.module for k in context.sharded.kernels if k.every_row],
+            )
             if context.config.pipeline == "full"
             else None
         )
         self._blocked_since_tick = 0.0
+        # Every rank's fused-optimizer counters as of the last decision: rank 0 saves them.
+        self._fused_scalars: dict[str, torch.Tensor] = {}
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
         self._persister = Persister(context, state, writer, self._stage_piece, self._guard)
@@ -199,6 +205,7 @@ class Saver:
             raise SaveError(problem)
         state.tracker.fold()  # collective for replicated tables: before anything may raise
         local = [0.0, 0.0, 0.0]
+        scalars: dict[str, torch.Tensor] = {}
         measured = state.clock.collect(state.last_blocked_s)
         states: dict[str, Any] = {}
         error: BaseException | None = None
@@ -206,6 +213,7 @@ class Saver:
             failpoints.hit("save.decide")
             states = self._take_statefuls(step)
             self.mark_moving_rows()
+            scalars = {k: v.detach().cpu().clone() for k, v in ctx.sharded.scalar_states.items()}
             for shard in ctx.sharded.writer_shards():
                 local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
                 local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
@@ -214,8 +222,9 @@ class Saver:
             error = as_save_error(exc, step, comm.rank, "deciding")
         times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
         gathered = comm.gather_checked(
-            (local, times), error, f"deciding step {step}", SaveRankError
+            (local, times, scalars), error, f"deciding step {step}", SaveRankError
         )
+        self._fused_scalars = {k: v for g in gathered for k, v in g[2].items()}
         since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
         clean, extra, blocked = (max(g[1][i] for g in gathered) for i in range(3))
         if ctx.config.adaptive_interval and measured.iterations:
@@ -253,15 +262,20 @@ class Saver:
             raise SaveError(f"step {step}: rank {rank}: cannot save the statefuls: {exc}") from exc
 
     def mark_moving_rows(self) -> None:
-        """Marks the rows of data-parallel tables that their dense optimizer moves without a
-        lookup (non-zero momentum, or every row under weight decay): the lookups alone do not
-        say which changed."""
+        """Marks the rows that change without a lookup, which the lookups alone do not say
+        changed: of data-parallel tables, those their dense optimizer moves (non-zero momentum,
+        or every row under weight decay); every row of blocks whose fused optimizer rewrites
+        them all (EMA in place)."""
         ctx, tracker = self.ctx, self.state.tracker
         moving = dense.moving_rows(dense.optimizer_parts(ctx.optimizer, ctx.model))
+        every_row = ctx.sharded.every_row_blocks()
         for shard in ctx.sharded.writer_shards():
-            if shard.sharding_type != "data_parallel" or shard.weight.data_ptr() not in moving:
+            if shard.key in every_row:
+                rows = None
+            elif shard.sharding_type == "data_parallel" and shard.weight.data_ptr() in moving:
+                rows = moving[shard.weight.data_ptr()]
+            else:
                 continue
-            rows = moving[shard.weight.data_ptr()]
             if rows is None:
                 marked = torch.arange(shard.num_rows, device=shard.weight.device)
             else:
@@ -362,7 +376,7 @@ class Saver:
                         ctx.model,
                         ctx.optimizer,
                         ctx.sharded.table_keys,
-                        ctx.sharded.scalar_states,
+                        self._fused_scalars,
                     )
                 )
             snapshot.rank = dense.detached_copy(dense.rank_state(states))
