@@ -11,7 +11,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,9 @@ class Collective:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
-            self.group: dist.ProcessGroup | None = dist.new_group(backend="gloo")
+            # Every rank is a member (no ``ranks``), so never torch 2.14's declared non-member.
+            group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
+            self.group: dist.ProcessGroup | None = group
         else:
             self.rank, self.world_size, self.group = 0, 1, None
 

@@ -36,7 +36,9 @@ def test_nested_phases_count_only_their_own_time_and_threads_add_up() -> None:
     seconds = clock.seconds()
     assert set(seconds) == set(PHASES)
     assert 0.2 <= seconds["write"] < 0.3  # two threads, 0.1 s each
-    assert 0.1 <= seconds["hash"] < 0.18  # without the nested writes
+    # Without the nested writes (with them, 0.3 or more); the slack is for a loaded machine,
+    # where each thread's wake-ups come late (0.20 s seen with a load average of 6 on 2 cores).
+    assert 0.1 <= seconds["hash"] < 0.28
     assert seconds["encode"] == 0.0
     with pytest.raises(ValueError, match="unknown save phase 'decode'"):
         with clock.time("decode"):

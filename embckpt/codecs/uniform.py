@@ -21,12 +21,14 @@ way; measured on trained 64-dim rows, one core, they encode at 3-6 GB/s and deco
 of fp32 rows, where FBGEMM's row-wise op managed 2 GB/s (2 and 4 bits only) and the torch path
 0.5-0.9. Other devices and fp32 parameters take the vectorised torch path, which reproduces
 FBGEMM's bytes exactly, as the kernels reproduce the torch path's (tested), so all write one
-format. FBGEMM's op is kept for CPU rows when the kernels are switched off (``COMPILED``).
+format. FBGEMM's op is kept for CPU rows when the kernels are switched off (``COMPILED``),
+where it quantizes over the ranges it is given (checked once: fbgemm-gpu-cpu 1.9.0's does not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, ClassVar
 
 import numpy as np
@@ -72,6 +74,24 @@ def _has_fbgemm() -> bool:
     return hasattr(torch.ops.fbgemm, "FusedNBitRowwiseQuantizedSBHalfToFloat")
 
 
+@functools.cache
+def _fbgemm_minmax_op_honours_ranges() -> bool:
+    """Whether FBGEMM's CPU n-bit op with row-wise min/max quantizes over the ranges it is given.
+
+    fbgemm-gpu-cpu 1.9.0's does not: it takes each row's own min and max instead (1.8.0's
+    honours them), which would write other bytes than the kernels and the torch path.
+    """
+    op = getattr(
+        torch.ops.fbgemm, "FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax", None
+    )
+    if op is None:
+        return False
+    x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+    fused = op(x, 4, torch.tensor([[-8.0, 22.0]]))
+    params = fused[:, packed_width(8, 4) :].contiguous().view(torch.float16).float()
+    return params.tolist() == [[2.0, -8.0]]  # scale (22 - -8) / 15, bias -8
+
+
 def fbgemm_fits(x: torch.Tensor, bits: int) -> bool:
     """Whether FBGEMM's n-bit row ops can quantize ``x`` [n, cols] at ``bits``."""
     # FBGEMM's 8-bit n-bit op measured half as fast as the torch path (same bytes out).
@@ -80,9 +100,7 @@ def fbgemm_fits(x: torch.Tensor, bits: int) -> bool:
         and x.device.type == "cpu"
         and x.shape[0] > 0
         and (x.shape[1] * bits) % 16 == 0
-        and hasattr(
-            torch.ops.fbgemm, "FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax"
-        )
+        and _fbgemm_minmax_op_honours_ranges()
     )
 
 
