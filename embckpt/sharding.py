@@ -8,7 +8,8 @@ the model: that is how a restore loads rows without rebuilding any module.
 
 Works for table-, row-, column-, table-row-wise and data-parallel tables. Data-parallel tables are
 replicated: every rank holds the whole table, only rank 0 writes it, and its optimizer state
-belongs to the dense optimizer, not to the fused one.
+belongs to the dense optimizer, not to the fused one. Managed-collision modules' sharded buffers
+are found too (:mod:`embckpt.mch`); any other sharded state is refused (:func:`check_placeable`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from embckpt.errors import ModelMismatchError
+from embckpt.errors import ConfigError, ModelMismatchError
+from embckpt.mch import MchTable, find_tables
 
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -68,7 +73,8 @@ class TableShard:
 
 @dataclass
 class ShardedModel:
-    """All of this rank's table blocks, plus what the dense side of a checkpoint must skip."""
+    """All of this rank's table blocks, its managed-collision modules, plus what the dense side
+    of a checkpoint must skip."""
 
     shards: list[TableShard]
     table_shapes: dict[str, tuple[int, int]]
@@ -77,6 +83,7 @@ class ShardedModel:
     placements: dict[str, list[tuple[int, int, int, int, int]]]
     table_keys: set[str]
     scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    mch: list[MchTable] = field(default_factory=list)
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
@@ -180,7 +187,40 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         placements=placements,
         table_keys={fqn for fqn in state if _TABLE_KEY.search(fqn)},
         scalar_states=scalars,
+        mch=find_tables(model, state),
     )
+
+
+def check_placeable(model: nn.Module) -> None:
+    """Refuses, when a Checkpointer is built rather than at its first save, a model holding
+    sharded state (ShardedTensor or DTensor) that is neither an embedding table nor a
+    managed-collision module's buffer: embckpt would not know where to put it on restore.
+
+    Raises:
+        ConfigError: naming the module, its type and the state.
+    """
+    state = model.state_dict()
+    placed = {key for key in state if _TABLE_KEY.search(key)}
+    for table in find_tables(model, state):
+        placed.update(f"{table.name}.{buffer}" for buffer in table.buffers)
+    for key, value in state.items():
+        if isinstance(value, (ShardedTensor, DTensor)) and key not in placed:
+            path, module = _owner(model, key)
+            raise ConfigError(
+                f"module {path or '(root)'} ({type(module).__name__}) holds sharded state "
+                f"{key!r} ({type(value).__name__}) that embckpt cannot checkpoint: it saves "
+                "embedding tables (EmbeddingBagCollection, EmbeddingCollection, and their "
+                "managed-collision variants) and replicated dense state"
+            )
+
+
+def _owner(model: nn.Module, key: str) -> tuple[str, nn.Module]:
+    """The deepest module whose path prefixes state key ``key``."""
+    modules = dict(get_unwrapped_module(model).named_modules())
+    path = key
+    while path and path not in modules:
+        path = path.rpartition(".")[0]
+    return path, modules[path]
 
 
 def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:
