@@ -1,5 +1,5 @@
-"""The non-table part of a restore: the dense model and optimizer state, RNG streams and
-stateful objects.
+"""The non-table part of a restore: the dense model and optimizer state, RNG streams, stateful
+objects and managed-collision modules' state (:mod:`embckpt.mch`).
 
 Read and checked with the rows, before anything is loaded (dense keys and shapes, the dense
 optimizer's parts, groups and state shapes, the statefuls' keys); applied by
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torchrec.optim.keyed import KeyedOptimizer
 
-from embckpt import dense
+from embckpt import dense, mch
 from embckpt.errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -27,6 +27,7 @@ from embckpt.errors import (
     ModelMismatchError,
     RestoreRankError,
 )
+from embckpt.mch import MchLoad
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
@@ -42,6 +43,7 @@ class SideState:
     rank: dict[str, Any] | None = None  # this rank's own file, same world size
     statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
     skipped: list[str] = field(default_factory=list)
+    mch: list[MchLoad] = field(default_factory=list)
     dense_path: str = ""
     bytes_read: int = 0  # of the dense and per-rank files
 
@@ -80,15 +82,13 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
                 f"statefuls {absent}: not in checkpoint {store.step_path(head.step, own.path)} "
                 f"(it holds {sorted(saved)})"
             )
+        _plan_mch(into, head, side, {comm.rank: side.rank})
         return side
     side.skipped.append(
         f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
     )
-    states = []
-    for entry in rank_files:
-        raw = store.read_checked(head.step, entry.written)
-        side.bytes_read += raw.size
-        states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
+    trees = _read_rank_files(into, head, side, {})
+    states = [trees[rank]["statefuls"] for rank in sorted(trees)]
     for name in into.statefuls:
         saved_states = [s.get(name) for s in states]
         if not saved_states or any(s is None for s in saved_states):
@@ -101,7 +101,36 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
             )
         else:
             side.statefuls[name] = saved_states[0]
+    _plan_mch(into, head, side, trees)
     return side
+
+
+def _read_rank_files(
+    into: RestoreTarget, head: Manifest, side: SideState, trees: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """Every writer rank's file of ``head``, decoded, by rank (those in ``trees`` not re-read)."""
+    for entry in (f for f in head.files if f.role == "rank" and f.rank not in trees):
+        raw = into.store.read_checked(head.step, entry.written)
+        side.bytes_read += raw.size
+        trees[entry.rank] = dense.decode_tree(raw.to_pybytes())
+    return dict(sorted(trees.items()))
+
+
+def _plan_mch(
+    into: RestoreTarget, head: Manifest, side: SideState, trees: dict[int, dict[str, Any]]
+) -> None:
+    """Plans the managed-collision loads: from this rank's own file when it holds exactly this
+    rank's rows (same world size and plan), else from every writer rank's."""
+    tables = into.sharded.mch
+    path = into.store.step_path(head.step)
+    own = trees.get(into.comm.rank, {}).get("mch", {})
+    if head.world_size == into.comm.world_size and mch.own_entries_match(tables, own):
+        side.mch, skipped = mch.plan_loads(tables, [own], own, path)
+    else:
+        trees = _read_rank_files(into, head, side, trees)
+        saved = [tree.get("mch", {}) for tree in trees.values()]
+        side.mch, skipped = mch.plan_loads(tables, saved, None, path)
+    side.skipped.extend(skipped)
 
 
 def check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:
@@ -178,6 +207,7 @@ class _Prior:
     optimizers: list[tuple[Any, dict[Any, Any], list[dict[str, Any]]]]
     rank: dict[str, Any]  # RNG streams
     statefuls: dict[str, Any]
+    mch: list[MchLoad]
 
 
 def apply_side_state(into: RestoreTarget, side: SideState) -> None:
@@ -196,7 +226,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
     }
     pairs = _optimizer_pairs(into, state, side.dense_path)
     loading = into.statefuls if side.rank is not None else side.statefuls
-    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading))
+    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading), side.mch)
     error: Exception | None = None
     try:
         try:
@@ -220,6 +250,8 @@ def _apply(
     live = into.model.state_dict()
     for key, value in state["model"].items():
         live[key].copy_(value)
+    for item in side.mch:
+        mch.load(item)
     for key, value in state["fused_scalars"].items():
         into.sharded.scalar_states[key].copy_(value)
     for optimizer, saved in pairs:
@@ -239,7 +271,11 @@ def _apply(
 
 
 def _capture(
-    into: RestoreTarget, state: dict[str, Any], optimizers: list[Any], statefuls: list[str]
+    into: RestoreTarget,
+    state: dict[str, Any],
+    optimizers: list[Any],
+    statefuls: list[str],
+    mch_loads: list[MchLoad],
 ) -> _Prior:
     live = into.model.state_dict()
     return _Prior(
@@ -260,6 +296,14 @@ def _capture(
         statefuls={
             name: dense.detached_copy(into.statefuls[name].state_dict()) for name in statefuls
         },
+        mch=[
+            MchLoad(
+                table=item.table,
+                buffers=dense.detached_copy(dict(item.table.buffers)),
+                eviction=dense.detached_copy(mch.eviction_state(item.table.module)),
+            )
+            for item in mch_loads
+        ],
     )
 
 
@@ -268,6 +312,8 @@ def _roll_back(into: RestoreTarget, prior: _Prior) -> None:
     live = into.model.state_dict()
     for key, value in prior.model.items():
         live[key].copy_(value)
+    for item in prior.mch:
+        mch.load(item)
     for key, value in prior.scalars.items():
         into.sharded.scalar_states[key].copy_(value)
     for optimizer, saved_state, groups in prior.optimizers:

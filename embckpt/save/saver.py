@@ -348,7 +348,7 @@ class Saver:
                         ctx.sharded.scalar_states,
                     )
                 )
-            snapshot.rank = dense.detached_copy(dense.rank_state(ctx.statefuls))
+            snapshot.rank = dense.detached_copy(dense.rank_state(ctx.statefuls, ctx.sharded.mch))
         failpoints.hit("save.plan")
         budget = ctx.config.staging_budget_bytes
         units = plan_units(selected, ctx.config.max_file_rows, budget)
