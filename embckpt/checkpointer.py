@@ -22,6 +22,7 @@ from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.interval import AdaptiveInterval, IterationClock
+from embckpt.mch import MchTable, watch_evictions
 from embckpt.policy import make_policy
 from embckpt.read.restore import RestoreResult, restore_checkpoint
 from embckpt.read.stage import default_threads
@@ -38,7 +39,7 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.retention import discard_newer
-from embckpt.tracking import RowTracker
+from embckpt.tracking import RowTracker, View
 
 __all__ = ["Checkpointer", "PendingCheckpoint"]
 
@@ -116,6 +117,7 @@ class Checkpointer:
         self.comm.check(error, f"opening {self.store.uri}")
         self.sharded: ShardedModel = discover(model, self.comm.rank)
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
+        self._unwatch = watch_evictions(self.sharded.mch, self._evicted)
         self.policy = make_policy(config)
         self.interval = AdaptiveInterval(config.interval, config.stall_bound)
         self.writer = RowFileWriter(
@@ -149,6 +151,13 @@ class Checkpointer:
             clock=IterationClock(),
         )
         self._saver = Saver(context, self._state, self.writer)
+
+    def _evicted(self, table: MchTable, local_rows: torch.Tensor) -> None:
+        """Rows an eviction re-initialised without a lookup: the next checkpoints write them."""
+        for shard in self.sharded.shards:
+            if shard.table == table.table and shard.row_offset == table.row_offset:
+                for view in View:
+                    self.tracker.mark(shard.key, local_rows, view)
 
     @property
     def head(self) -> Manifest | None:
@@ -312,6 +321,7 @@ class Checkpointer:
         try:
             self._saver.close()
         finally:
+            self._unwatch()
             self.tracker.close()
             self._lock.release()
 

@@ -16,11 +16,14 @@ offsets, and only where each new rank's rows are a union of writer ranks' rows (
 rule, ``validate_state``: 2 ranks onto 1, 4 onto 2), because a rank only remaps the ids routed to
 it; the history is not restored there (it belongs to ranks that no longer exist). Only
 MCHManagedCollisionModule is known: any other managed-collision module is refused.
+
+An eviction rewrites the evicted rows of the table (TorchRec re-initialises them) without a
+lookup: :func:`watch_evictions` reports those rows so that the next checkpoint writes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,3 +306,44 @@ def _new_history(module: Any, size: int, metadata: Mapping[str, torch.Tensor]) -
         buffer = torch.zeros(size, dtype=values.dtype, device=device)
         module.register_buffer(f"_history_{name}", buffer, persistent=False)
         module._history_metadata[name] = buffer
+
+
+# -- evictions ------------------------------------------------------------------------------------
+def watch_evictions(
+    tables: list[MchTable], mark: Callable[[MchTable, torch.Tensor], None]
+) -> Callable[[], None]:
+    """Calls ``mark(table, local_rows)`` with the rows each eviction re-initialises (TorchRec
+    resets them without a lookup); returns what stops watching.
+
+    TorchRec's sharded module asks its collection's ``evict()`` for those rows at every step
+    (local to the rank's slice), so that method is wrapped on each collection instance.
+    """
+    by_key = {(id(t.collection), t.table): t for t in tables}
+    collections: dict[int, Any] = {id(t.collection): t.collection for t in tables}
+    wrapped = {key: vars(c).get("evict") for key, c in collections.items()}  # another watcher's
+    for collection in collections.values():
+        collection.evict = _reporting(collection, collection.evict, by_key, mark)
+
+    def unwatch() -> None:
+        for key, collection in collections.items():
+            vars(collection).pop("evict", None)
+            if wrapped[key] is not None:
+                collection.evict = wrapped[key]
+
+    return unwatch
+
+
+def _reporting(
+    collection: Any,
+    evict: Callable[[], dict[str, torch.Tensor | None]],
+    by_key: Mapping[tuple[int, str], MchTable],
+    mark: Callable[[MchTable, torch.Tensor], None],
+) -> Callable[[], dict[str, torch.Tensor | None]]:
+    def reporting_evict() -> dict[str, torch.Tensor | None]:
+        evictions = evict()
+        for table, rows in evictions.items():
+            if rows is not None and rows.numel():
+                mark(by_key[(id(collection), table)], rows)
+        return evictions
+
+    return reporting_evict
