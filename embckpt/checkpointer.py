@@ -22,6 +22,7 @@ from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.interval import AdaptiveInterval, IterationClock
+from embckpt.mch import MchTable, watch_evictions
 from embckpt.policy import make_policy
 from embckpt.read.restore import RestoreResult, restore_checkpoint
 from embckpt.read.stage import default_threads
@@ -33,12 +34,12 @@ from embckpt.save.saver import Saver
 from embckpt.save.tables import table_entries
 from embckpt.save.transaction import SaveState
 from embckpt.save.writer import RowFileWriter
-from embckpt.sharding import ShardedModel, discover
+from embckpt.sharding import ShardedModel, check_placeable, discover
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.retention import discard_newer
-from embckpt.tracking import RowTracker
+from embckpt.tracking import RowTracker, View
 
 __all__ = ["Checkpointer", "PendingCheckpoint"]
 
@@ -77,6 +78,7 @@ class Checkpointer:
         filesystem: pafs.FileSystem | None = None,
     ) -> None:
         dense.optimizer_parts(optimizer, model)  # refuses what could not be saved or restored
+        check_placeable(model)  # refuses sharded state that is no table's
         for name, obj in (statefuls or {}).items():
             if not (
                 callable(getattr(obj, "state_dict", None))
@@ -123,6 +125,7 @@ class Checkpointer:
                 "; ".join(sorted(set(every_row.values()))),
             )
         self.tracker = RowTracker(model, self.sharded.shards, self.comm.group)
+        self._unwatch = watch_evictions(self.sharded.mch, self._evicted)
         self.policy = make_policy(config)
         self.interval = AdaptiveInterval(config.interval, config.stall_bound)
         self.writer = RowFileWriter(
@@ -156,6 +159,17 @@ class Checkpointer:
             clock=IterationClock(),
         )
         self._saver = Saver(context, self._state, self.writer)
+
+    def _evicted(self, table: MchTable, local_rows: torch.Tensor) -> None:
+        """Rows an eviction re-initialised without a lookup: the next checkpoints write them."""
+        for shard in self.sharded.shards:
+            if (
+                shard.name == table.table
+                and (not table.owner or shard.fqn.startswith(f"{table.owner}."))
+                and shard.row_offset == table.row_offset
+            ):
+                for view in View:
+                    self.tracker.mark(shard.key, local_rows, view)
 
     @property
     def head(self) -> Manifest | None:
@@ -319,6 +333,7 @@ class Checkpointer:
         try:
             self._saver.close()
         finally:
+            self._unwatch()
             self.tracker.close()
             self._lock.release()
 

@@ -24,6 +24,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
+from embckpt import mch
 from embckpt.errors import ConfigError
 
 _STRUCT_KEY = "embckpt.structure"
@@ -138,9 +139,14 @@ def dense_state(
     scalar_states: Mapping[str, torch.Tensor],
 ) -> dict[str, Any]:
     """The replicated dense state: every model entry that is not a table, the dense optimizer,
-    and the fused optimizer's per-table scalars (e.g. Adam's step)."""
+    and the fused optimizer's per-table scalars (e.g. Adam's step). Sharded entries that are
+    not tables (managed-collision buffers) are per-rank state: see :func:`rank_state`."""
     return {
-        "model": {k: v for k, v in model.state_dict().items() if k not in skip_keys},
+        "model": {
+            k: v
+            for k, v in model.state_dict().items()
+            if k not in skip_keys and not isinstance(v, (ShardedTensor, DTensor))
+        },
         "optimizer": optimizer_state(optimizer_parts(optimizer, model)),
         "fused_scalars": dict(scalar_states),
     }
@@ -160,9 +166,12 @@ def stateful_states(statefuls: Mapping[str, Stateful]) -> dict[str, Any]:
     return states
 
 
-def rank_state(states: Mapping[str, Any]) -> dict[str, Any]:
-    """This rank's own state: RNG streams and each stateful object's state (data iterator,
-    ...), as :func:`stateful_states` took it."""
+def rank_state(
+    states: Mapping[str, Any], mch_tables: list[mch.MchTable] | None = None
+) -> dict[str, Any]:
+    """This rank's own state: RNG streams, each stateful object's state (data iterator, ...)
+    as :func:`stateful_states` took it and, for a model with managed-collision modules, their
+    buffers and eviction state (``mch``)."""
     rng: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -170,7 +179,10 @@ def rank_state(states: Mapping[str, Any]) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {"rng": rng, "statefuls": dict(states)}
+    state = {"rng": rng, "statefuls": dict(states)}
+    if mch_tables:
+        state["mch"] = mch.capture(mch_tables)
+    return state
 
 
 def apply_rank_state(state: Mapping[str, Any], statefuls: Mapping[str, Stateful]) -> None:

@@ -8,7 +8,8 @@ the model: that is how a restore loads rows without rebuilding any module.
 
 Works for table-, row-, column-, table-row-wise and data-parallel tables. Data-parallel tables are
 replicated: every rank holds the whole table, only rank 0 writes it, and its optimizer state
-belongs to the dense optimizer, not to the fused one.
+belongs to the dense optimizer, not to the fused one. Managed-collision modules' sharded buffers
+are found too (:mod:`embckpt.mch`); any other sharded state is refused (:func:`check_placeable`).
 
 The fused optimizer also keeps state that is not per row: FBGEMM counts its steps per
 table-batched kernel (:class:`FusedKernel`), and a few of its optimizers rewrite every row of
@@ -24,10 +25,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from embckpt.errors import ModelMismatchError
+from embckpt.errors import ConfigError, ModelMismatchError
+from embckpt.mch import MchTable, find_tables
 
 _TABLE_KEY = re.compile(r"^(?:(.*)\.)?(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -124,7 +128,8 @@ class FusedKernel:
 
 @dataclass
 class ShardedModel:
-    """All of this rank's table blocks, plus what the dense side of a checkpoint must skip."""
+    """All of this rank's table blocks, its managed-collision modules, plus what the dense side
+    of a checkpoint must skip."""
 
     shards: list[TableShard]
     table_shapes: dict[str, tuple[int, int]]
@@ -134,6 +139,7 @@ class ShardedModel:
     table_keys: set[str]
     scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
     kernels: list[FusedKernel] = field(default_factory=list)
+    mch: list[MchTable] = field(default_factory=list)
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
@@ -249,7 +255,40 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         table_keys={fqn for fqn in state if _TABLE_KEY.search(fqn)},
         scalar_states=scalars,
         kernels=kernels,
+        mch=find_tables(model, state),
     )
+
+
+def check_placeable(model: nn.Module) -> None:
+    """Refuses, when a Checkpointer is built rather than at its first save, a model holding
+    sharded state (ShardedTensor or DTensor) that is neither an embedding table nor a
+    managed-collision module's buffer: embckpt would not know where to put it on restore.
+
+    Raises:
+        ConfigError: naming the module, its type and the state.
+    """
+    state = model.state_dict()
+    placed = {key for key in state if _TABLE_KEY.search(key)}
+    for table in find_tables(model, state):
+        placed.update(f"{table.name}.{buffer}" for buffer in table.buffers)
+    for key, value in state.items():
+        if isinstance(value, (ShardedTensor, DTensor)) and key not in placed:
+            path, module = _owner(model, key)
+            raise ConfigError(
+                f"module {path or '(root)'} ({type(module).__name__}) holds sharded state "
+                f"{key!r} ({type(value).__name__}) that embckpt cannot checkpoint: it saves "
+                "embedding tables (EmbeddingBagCollection, EmbeddingCollection, and their "
+                "managed-collision variants) and replicated dense state"
+            )
+
+
+def _owner(model: nn.Module, key: str) -> tuple[str, nn.Module]:
+    """The deepest module whose path prefixes state key ``key``."""
+    modules = dict(get_unwrapped_module(model).named_modules())
+    path = key
+    while path and path not in modules:
+        path = path.rpartition(".")[0]
+    return path, modules[path]
 
 
 def _fused_optimizer_state(model: nn.Module) -> dict[str, dict[str, object]]:

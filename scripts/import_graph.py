@@ -19,7 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = "embckpt"
-CORE = ("config", "collective", "dense", "interval", "data", "sharding", "tracking", "policy")
+CORE = (
+    "config",
+    "collective",
+    "dense",
+    "interval",
+    "data",
+    "mch",
+    "sharding",
+    "tracking",
+    "policy",
+)
 UPPER = ("save", "read", "report", "checkpointer", "cli", "examples")
 
 

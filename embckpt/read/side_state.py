@@ -1,5 +1,5 @@
-"""The non-table part of a restore: the dense model and optimizer state, RNG streams and
-stateful objects.
+"""The non-table part of a restore: the dense model and optimizer state, RNG streams, stateful
+objects and managed-collision modules' state (:mod:`embckpt.mch`).
 
 Read and checked with the rows, before anything is loaded (dense keys and shapes, the dense
 optimizer's parts, groups and state shapes, the statefuls' keys); applied by
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torchrec.optim.keyed import KeyedOptimizer
 
-from embckpt import dense
+from embckpt import dense, mch
 from embckpt.errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -29,6 +29,7 @@ from embckpt.errors import (
     ModelMismatchError,
     RestoreRankError,
 )
+from embckpt.mch import MchLoad
 from embckpt.read.target import RestoreTarget
 from embckpt.sharding import ShardedModel
 from embckpt.storage.layout import MANIFEST_NAME
@@ -46,6 +47,7 @@ class SideState:
     statefuls: dict[str, Any] = field(default_factory=dict)  # other world size: from rank 0
     skipped: list[str] = field(default_factory=list)
     unused_statefuls: list[str] = field(default_factory=list)  # saved, but not given to load
+    mch: list[MchLoad] = field(default_factory=list)
     dense_path: str = ""
     bytes_read: int = 0  # of the dense and per-rank files
 
@@ -85,15 +87,13 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
                 f"(it holds {sorted(saved)})"
             )
         _note_unused(side, into, set(saved))
+        _plan_mch(into, head, side, {comm.rank: side.rank})
         return side
     side.skipped.append(
         f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
     )
-    states = []
-    for entry in rank_files:
-        raw = store.read_checked(head.step, entry.written)
-        side.bytes_read += raw.size
-        states.append(dense.decode_tree(raw.to_pybytes())["statefuls"])
+    trees = _read_rank_files(into, head, side, {})
+    states = [trees[rank]["statefuls"] for rank in sorted(trees)]
     _note_unused(side, into, {name for s in states for name in s})
     for name in into.statefuls:
         saved_states = [s.get(name) for s in states]
@@ -107,6 +107,7 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
             )
         else:
             side.statefuls[name] = saved_states[0]
+    _plan_mch(into, head, side, trees)
     return side
 
 
@@ -118,6 +119,34 @@ def _note_unused(side: SideState, into: RestoreTarget, saved: set[str]) -> None:
         f"stateful {name!r}: the checkpoint holds it, but statefuls= does not name it"
         for name in side.unused_statefuls
     )
+
+
+def _read_rank_files(
+    into: RestoreTarget, head: Manifest, side: SideState, trees: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """Every writer rank's file of ``head``, decoded, by rank (those in ``trees`` not re-read)."""
+    for entry in (f for f in head.files if f.role == "rank" and f.rank not in trees):
+        raw = into.store.read_checked(head.step, entry.written)
+        side.bytes_read += raw.size
+        trees[entry.rank] = dense.decode_tree(raw.to_pybytes())
+    return dict(sorted(trees.items()))
+
+
+def _plan_mch(
+    into: RestoreTarget, head: Manifest, side: SideState, trees: dict[int, dict[str, Any]]
+) -> None:
+    """Plans the managed-collision loads: from this rank's own file when it holds exactly this
+    rank's rows (same world size and plan), else from every writer rank's."""
+    tables = into.sharded.mch
+    path = into.store.step_path(head.step)
+    own = trees.get(into.comm.rank, {}).get("mch", {})
+    if head.world_size == into.comm.world_size and mch.own_entries_match(tables, own):
+        side.mch, skipped = mch.plan_loads(tables, [own], own, path)
+    else:
+        trees = _read_rank_files(into, head, side, trees)
+        saved = [tree.get("mch", {}) for tree in trees.values()]
+        side.mch, skipped = mch.plan_loads(tables, saved, None, path)
+    side.skipped.extend(skipped)
 
 
 def check_dense(into: RestoreTarget, state: dict[str, Any], path: str) -> None:
@@ -237,6 +266,7 @@ class _Prior:
     optimizers: list[tuple[Any, dict[Any, Any], list[dict[str, Any]]]]
     rank: dict[str, Any]  # RNG streams
     statefuls: dict[str, Any]
+    mch: list[MchLoad]
 
 
 def apply_side_state(into: RestoreTarget, side: SideState) -> None:
@@ -252,7 +282,7 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
     state["fused_scalars"] = fused_scalar_values(into.sharded, state.get("fused_scalars", {}))
     pairs = _optimizer_pairs(into, state, side.dense_path)
     loading = into.statefuls if side.rank is not None else side.statefuls
-    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading))
+    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading), side.mch)
     error: Exception | None = None
     try:
         try:
@@ -276,6 +306,8 @@ def _apply(
     live = into.model.state_dict()
     for key, value in state["model"].items():
         live[key].copy_(value)
+    for item in side.mch:
+        mch.load(item)
     for key, value in state["fused_scalars"].items():
         into.sharded.scalar_states[key].copy_(value)
     for kernel in into.sharded.kernels:
@@ -297,7 +329,11 @@ def _apply(
 
 
 def _capture(
-    into: RestoreTarget, state: dict[str, Any], optimizers: list[Any], statefuls: list[str]
+    into: RestoreTarget,
+    state: dict[str, Any],
+    optimizers: list[Any],
+    statefuls: list[str],
+    mch_loads: list[MchLoad],
 ) -> _Prior:
     live = into.model.state_dict()
     return _Prior(
@@ -318,6 +354,14 @@ def _capture(
         statefuls={
             name: dense.detached_copy(into.statefuls[name].state_dict()) for name in statefuls
         },
+        mch=[
+            MchLoad(
+                table=item.table,
+                buffers=dense.detached_copy(dict(item.table.buffers)),
+                eviction=dense.detached_copy(mch.eviction_state(item.table.module)),
+            )
+            for item in mch_loads
+        ],
     )
 
 
@@ -326,6 +370,8 @@ def _roll_back(into: RestoreTarget, prior: _Prior) -> None:
     live = into.model.state_dict()
     for key, value in prior.model.items():
         live[key].copy_(value)
+    for item in prior.mch:
+        mch.load(item)
     for key, value in prior.scalars.items():
         into.sharded.scalar_states[key].copy_(value)
     for kernel in into.sharded.kernels:

@@ -379,7 +379,7 @@ class Saver:
                         self._fused_scalars,
                     )
                 )
-            snapshot.rank = dense.detached_copy(dense.rank_state(states))
+            snapshot.rank = dense.detached_copy(dense.rank_state(states, ctx.sharded.mch))
         failpoints.hit("save.plan")
         budget = ctx.config.staging_budget_bytes
         units = plan_units(selected, ctx.config.max_file_rows, budget)
