@@ -66,6 +66,11 @@ class CheckpointConfig:
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
         max_file_rows: rows per Parquet file; a larger block is split into several files so
             that encoding one file never holds more than this many rows in memory.
+        pack_below_bytes: blocks whose encoded rows take less than this share *packed* rows
+            files: a rank writes the small blocks of a checkpoint with the same columns into
+            one file, each in row groups of its own (format 4), so a checkpoint of many small
+            tables is a few files per rank, not one per table; larger blocks keep a file each,
+            which restores read in parallel. 0 packs nothing.
         fsync: fsync files and the manifest before a checkpoint counts as committed.
         pipeline: ``full`` (snapshot copy and persist in the background; the next weight
             update waits for the copy), ``persist`` (copy on the training thread, persist in the
@@ -100,6 +105,7 @@ class CheckpointConfig:
     base_codec: str = "raw"
     row_group_rows: int = 65536
     max_file_rows: int = 1 << 20
+    pack_below_bytes: int = 4 << 20
     fsync: bool = True
     pipeline: str = "full"
     staging_budget_bytes: int = 4 << 30
@@ -117,7 +123,7 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last must be >= 0, got {self.keep_last}")
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
-        for name in ("full_every", "write_retries", "retry_backoff_s"):
+        for name in ("full_every", "write_retries", "retry_backoff_s", "pack_below_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pipeline not in PIPELINES:

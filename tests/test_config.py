@@ -114,6 +114,7 @@ def test_defaults_and_field_names_are_unchanged() -> None:
         ("base_codec", "raw"),
         ("row_group_rows", 65536),
         ("max_file_rows", 1 << 20),
+        ("pack_below_bytes", 4 << 20),
         ("fsync", True),
         ("pipeline", "full"),
         ("staging_budget_bytes", 4 << 30),

@@ -1,4 +1,5 @@
-"""The README's DuckDB query, run as written on a real 2-rank checkpoint: every table's rows
+"""The README's DuckDB query, run as written on a real 2-rank checkpoint whose small blocks are
+packed into shared files and whose larger ones have files of their own: every table's rows
 come back as row ids and FLOAT[] embeddings equal to the model's weights."""
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ from embckpt.examples.launcher import run_ranks
 
 README = Path(__file__).parents[1] / "README.md"
 STEP = 4
-EXAMPLE_DIR = "ckpts/step_000000000004/tables/sparse_arch.embedding_bag_collection.t_cw"
+EXAMPLE_DIR = "ckpts/step_000000000004"
+EXAMPLE_TABLE = "sparse_arch.embedding_bag_collection.t_cw"
 
 
 def _save_full(rank: int, world_size: int, root: str) -> dict:
     from embckpt import CheckpointConfig, Checkpointer
 
     model, opt = tm.build(world_size, seed=0)
-    config = CheckpointConfig(policy="full", pipeline="off", row_group_rows=32, entropy="zstd")
+    # Blocks under 8 KiB packed (the toy's blocks are 5-10 KiB): some packed, some alone.
+    config = CheckpointConfig(
+        policy="full", pipeline="off", row_group_rows=32, entropy="zstd", pack_below_bytes=8192
+    )
     with Checkpointer(model, f"{root}/ckpts", optimizer=opt, config=config) as ckpt:
         for step in range(1, STEP + 1):
             tm.train_step(model, opt, step, rank, hot=80)
@@ -34,7 +39,9 @@ def _save_full(rank: int, world_size: int, root: str) -> dict:
 def _readme_query() -> str:
     text = README.read_text()
     found = re.findall(r"```sql\n(.*?)```", text, flags=re.DOTALL)
-    assert len(found) == 1 and EXAMPLE_DIR in found[0], "README: one sql block on t_cw"
+    assert len(found) == 1 and EXAMPLE_DIR in found[0] and EXAMPLE_TABLE in found[0], (
+        "README: one sql block on t_cw"
+    )
     return found[0]
 
 
@@ -44,10 +51,12 @@ def test_readme_duckdb_query_reads_every_table_of_a_checkpoint() -> None:
         per_rank = run_ranks(_save_full, 2, root)
         truth = assemble(per_rank)
         assert set(truth) == {tm.table(k) for k in tm.KINDS}
+        step = Path(root) / "ckpts" / f"step_{STEP:012d}"
+        assert list(step.glob("packed/*.parquet")) and list(step.glob("tables/*/*.parquet"))
         for table, arrays in truth.items():
-            folder = Path(root) / "ckpts" / f"step_{STEP:012d}" / "tables" / table
-            assert folder.is_dir(), folder
-            relation = duckdb.sql(query.replace(EXAMPLE_DIR, str(folder)))
+            relation = duckdb.sql(
+                query.replace(EXAMPLE_DIR, str(step)).replace(EXAMPLE_TABLE, table)
+            )
             assert [str(t) for t in relation.types] == ["BIGINT", "FLOAT[]"], table
             rows = relation.fetchall()
             ids = np.array([r[0] for r in rows])

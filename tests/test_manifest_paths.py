@@ -227,7 +227,9 @@ def test_restore_refuses_a_crafted_step_on_every_rank(run_copy: Path, tmp_path: 
     head = _step_dir(run_copy / "one_shot", 15)
     CRAFTS["dotdot"](head, tmp_path / "outside")
     parent = _step_dir(run_copy / "incremental", 10)
-    rows = f"tables/{tm.table('rw')}/r0_c0.p0.parquet"
+    # A rows file of the parent (its small blocks are packed into one: that one).
+    listed = json.loads((parent / MANIFEST_NAME).read_text())["files"]
+    rows = next(f["path"] for f in listed if f["role"] == "rows")
     copy = _outside_copy(parent, rows, tmp_path / "outside" / "rows.parquet")
     os.remove(parent / rows)
     (parent / rows).symlink_to(copy)

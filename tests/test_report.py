@@ -50,7 +50,7 @@ def test_totals_equal_the_bytes_on_disk(
         on_disk[checkpoint["step"]] = sum(p.stat().st_size for p in files)
         assert checkpoint["bytes"] == checkpoint["bytes_on_disk"] == on_disk[checkpoint["step"]]
         assert checkpoint["files"] == len(files)
-        rows_files = [p for p in files if "tables" in p.parts]
+        rows_files = [p for p in files if "tables" in p.parts or "packed" in p.parts]
         assert sum(t["bytes"] for t in checkpoint["tables"]) == sum(
             p.stat().st_size for p in rows_files
         )
@@ -309,8 +309,8 @@ def test_fp32_baseline_counts_every_file_the_bars_count(saved_runs: Path) -> Non
     # The raw codec stores every value and optimizer state in fixed-width fp32 columns.
     columns = [
         column
-        for path in (full / "tables").rglob("*.parquet")
-        for column in pq.read_table(path).drop_columns(["row"]).columns
+        for path in full.rglob("*.parquet")  # tables/ and packed/
+        for column in pq.read_table(path).drop_columns(["row", "table", "col"]).columns
     ]
     assert all(column.null_count == 0 for column in columns)
     tables_fp32 = sum(

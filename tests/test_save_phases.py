@@ -78,7 +78,10 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     out: dict = {"slowed": dict.fromkeys(SLOWEST, 0)}
     lock = threading.Lock()
     # A budget of a few rows makes the full go in several pieces, on both threads.
-    config = CheckpointConfig(policy="one_shot", full_every=2, staging_budget_bytes=8192)
+    # Unpacked: each rank writes several files per piece, so slowed writes add up.
+    config = CheckpointConfig(
+        policy="one_shot", full_every=2, staging_budget_bytes=8192, pack_below_bytes=0
+    )
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
         store = ckpt.store
         write_file = store.write_file

@@ -157,7 +157,7 @@ def test_lossless_state_codec_writes_the_plain_state_column_as_before() -> None:
     # Byte for byte the file the writer made before state codecs applied to row-wise states.
     assert data.to_pybytes() == _file({"momentum1": momentum.numpy()}, 300).to_pybytes()
     schema = pq.read_schema(pa.BufferReader(data))
-    assert schema.names == ["row", "payload", "state.momentum1"]
+    assert schema.names == ["row", "table", "col", "payload", "state.momentum1"]
     assert schema.field("state.momentum1").type == pa.float32()
     assert b"state_meta" not in schema.metadata[b"embckpt"]
     batch = decode_file(data, "f.parquet", 0, 300)
@@ -169,7 +169,7 @@ def test_log8_row_states_are_one_byte_columns_decoded_within_bound() -> None:
     codec = make_codec("log8")
     data = _file(row_state_columns(codec, {"momentum1": momentum}), 300, "log8")
     schema = pq.read_schema(pa.BufferReader(data))
-    assert schema.names == ["row", "payload", "state.momentum1.payload"]
+    assert schema.names == ["row", "table", "col", "payload", "state.momentum1.payload"]
     assert schema.field("state.momentum1.payload").type == pa.binary(1)
     plain = _file({"momentum1": momentum.numpy()}, 300)
     assert _column_bytes(data, "state.momentum1.payload") * 3 < _column_bytes(
@@ -250,6 +250,19 @@ def _save_restore_merge(rank: int, world_size: int, root: str) -> dict[str, Any]
     return out
 
 
+def _state_columns(batch: Any) -> list[str]:
+    """A batch's optimizer-state column names, as stored."""
+    names = []
+    for name, values in batch.row_states.items():
+        if isinstance(values, np.ndarray):
+            names.append(f"state.{name}")
+        else:
+            names.extend(f"state.{name}.{c}" for c in values.columns)
+    for name, state in batch.elem_states.items():
+        names.extend(f"elem.{name}.{c}" for c in state.columns)
+    return names
+
+
 def _state_metas(store: Any, manifests: list) -> list:
     """The ``state_meta``, ``elem_meta`` and column names of every rows file of ``manifests``."""
     metas = []
@@ -257,13 +270,14 @@ def _state_metas(store: Any, manifests: list) -> list:
         for entry in manifest.files:
             if entry.role != "rows":
                 continue
-            data = store.read_checked(manifest.step, entry.written)
-            batch = decode_file(data, entry.path, entry.row_offset, entry.row_offset + 10**9)
+            checked = store.open_rows(manifest.step, entry, None)  # a packed file's block too
+            batch = checked.read_all()
+            checked.close()
             metas.append(
                 {
                     "state": batch.header.get("state_meta", {}),
                     "elem": batch.header["elem_meta"],
-                    "columns": [c for c in pq.read_schema(pa.BufferReader(data)).names],
+                    "columns": ["row", *batch.encoded.columns, *_state_columns(batch)],
                 }
             )
     return metas

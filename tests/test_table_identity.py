@@ -163,8 +163,14 @@ def test_two_collections_with_the_same_table_names(tmp_path: Path) -> None:
     manifest = json.loads(next(Path(root).glob("step_*6/MANIFEST.json")).read_text())
     names = sorted(t["name"] for t in manifest["tables"])
     assert names == ["item.t0", "item.t1", "user.t0", "user.t1"]
-    paths = [f["path"] for f in manifest["files"]]
-    assert len(paths) == len(set(paths)) and any(p.startswith("tables/item.t0/") for p in paths)
+    # One path per file, but for the blocks of a packed file (each with its own number).
+    keys = [(f["path"], f.get("block")) for f in manifest["files"]]
+    assert len(keys) == len(set(keys))
+    assert any(
+        f["table"] == "item.t0"
+        and (f["block"] is not None or f["path"].startswith("tables/item.t0/"))
+        for f in manifest["files"]
+    )
     at_save = run_ranks(_restored_at_save, 2, root)[0]
     for world_size, kinds in ((2, WRITER), (1, WRITER), (2, OTHER)):
         results = run_ranks(_restore, world_size, root, kinds)
@@ -193,7 +199,8 @@ def test_a_manifest_listing_one_file_twice_is_refused(run_copy: Path) -> None:
     store = CheckpointStore(run_copy / "one_shot")
     path = run_copy / "one_shot" / "step_000000000005" / "MANIFEST.json"
     body = json.loads(path.read_text())
-    rows = [f for f in body["files"] if f["role"] == "rows"]
+    files = [f for f in body["files"] if f["role"] == "rows"]
+    rows = [files[0], next(f for f in files if f["path"] != files[0]["path"])]
     rows[1]["path"] = rows[0]["path"]
     body.pop("checksum")
     body["checksum"] = _checksum(body)
@@ -212,7 +219,8 @@ def _save_with_one_name(rank: int, world_size: int, root: str) -> dict[str, Any]
     from embckpt import CheckpointConfig, Checkpointer
 
     dmp, opt = _build(world_size, WRITER)
-    config = CheckpointConfig(policy="incremental", full_every=0)
+    # Unpacked: every block names its own file (packed blocks share one by design).
+    config = CheckpointConfig(policy="incremental", full_every=0, pack_below_bytes=0)
     with Checkpointer(dmp, root, optimizer=opt, config=config) as ckpt:
         _train(dmp, opt, 1, rank)
         ckpt.save(1).wait()

@@ -65,6 +65,7 @@ from embckpt.storage.manifest import (
     HistoryEntry,
     Manifest,
     TableEntry,
+    files_bytes,
 )
 from embckpt.storage.rowfile import ELEM_STATE_PREFIX, STATE_PREFIX
 from embckpt.storage.rowfile_read import RowBatch, decode_file
@@ -155,7 +156,7 @@ def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Man
             _merge_block(store, chain, key, entries, tables[key[0]], prefix, row_group_rows)
         )
     files.extend(entry for entry in head.files if entry.role != "rows")  # kept in place
-    total = sum(f.bytes for f in files)
+    total = files_bytes(files)
     merged = dataclasses.replace(
         head,
         kind="full",
@@ -210,15 +211,25 @@ def _fresh_prefix(head: Manifest) -> str:
 
 
 def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source:
-    """Reads and checks one rows file of the chain; rebuilds its codecs from its metadata.
+    """Reads and checks one rows file of the chain (a packed file's block: its own row
+    groups, each checked); rebuilds its codecs from its metadata.
 
     Raises:
         EmbckptError: element-wise states of an additive codec: even the base's are added to
             whatever state the restored model held, which no full checkpoint can reproduce.
     """
-    data = store.read_checked(step, entry.written)
     path = store.step_path(step, entry.path)
-    batch = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
+    if entry.block is None:
+        data = store.read_checked(step, entry.written)
+        batch = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
+        compression = _compression(data)
+    else:
+        checked = store.open_rows(step, entry, None)  # the block's row groups
+        try:
+            batch = checked.read_all()
+            compression = checked.compression()
+        finally:
+            checked.close()
     if batch.elem_states and codec_from_config(batch.header["state_codec"]).additive:
         raise EmbckptError(
             f"{path}: element-wise optimizer states use an additive codec "
@@ -228,7 +239,7 @@ def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source
         step=step,
         entry=entry,
         batch=batch,
-        compression=_compression(data),
+        compression=compression,
         additive=codec_from_config(batch.header["codec"]).additive,
     )
 
@@ -274,6 +285,7 @@ def _merge_block(
                 checksum=written.checksum,
                 rows=len(picked),
                 index=index,
+                block=None,  # merged files hold one block each
             )
         )
     return files

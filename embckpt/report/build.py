@@ -217,8 +217,8 @@ def _checkpoint_row(
         "reason": manifest.stats.get("reason"),
         "codec": _codec_label(manifest.codec),
         "created_unix": manifest.stats.get("created_unix"),
-        "files": len(manifest.files),
-        "bytes_on_disk": sum(sizes.get(f.path, 0) for f in manifest.files),
+        "files": manifest.file_count,
+        "bytes_on_disk": sum(sizes.get(path, 0) for path in {f.path for f in manifest.files}),
         "tables": [
             {
                 "name": name,
@@ -232,18 +232,21 @@ def _checkpoint_row(
 
 
 def _table_writes(manifest: Manifest) -> dict[str, tuple[int, int]]:
-    """(rows, bytes) of each table's rows files; a column-wise row counts once, not per shard."""
+    """(rows, bytes) of each table's rows files; a column-wise row counts once, not per shard.
+
+    A block of a packed file counts its own row groups and their share of the file's footer
+    (``FileEntry.own_bytes``); a table's figure is rounded to whole bytes."""
     tables = {t.name: t for t in manifest.tables}
     rows: dict[str, float] = {}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, float] = {}
     for f in manifest.files:
         if f.role != "rows":
             continue
         cols = tables[f.table].cols if f.table in tables else 0
         share = f.shard_cols / cols if cols and f.shard_cols else 1.0
         rows[f.table] = rows.get(f.table, 0.0) + f.rows * share
-        sizes[f.table] = sizes.get(f.table, 0) + f.bytes
-    return {name: (round(rows[name]), sizes[name]) for name in rows}
+        sizes[f.table] = sizes.get(f.table, 0.0) + f.own_bytes
+    return {name: (round(rows[name]), round(sizes[name])) for name in rows}
 
 
 def table_fp32_bytes(table: TableEntry) -> int:

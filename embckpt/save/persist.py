@@ -26,7 +26,7 @@ from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
 from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile
+from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile, files_bytes
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.retention import apply_retention
 
@@ -76,6 +76,8 @@ class Persister:
         self.ctx = context
         self.state = state
         self.writer = writer
+        # Set here rather than where the writer is built: every save goes through this.
+        writer.pack_below_bytes = context.config.pack_below_bytes
         self._stage_piece = stage
         self._guard = guard
 
@@ -205,7 +207,7 @@ class Persister:
         full = snapshot.decision.kind is Kind.FULL
         slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
         head = self.state.head
-        total = sum(f.bytes for f in files)
+        total = files_bytes(files)
         entry = HistoryEntry(
             snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
         )

@@ -1,32 +1,45 @@
 """Row files: staged units encoded and written as Parquet, several at a time.
 
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
-writes one file per unit in parallel. Additive codecs (``delta``, ``exponent``) encode against the
-writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the
-whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and rebuild it,
-incremental diffs add their decoded deltas to it, one-shot diffs leave it at the base. A diff's
-changes to it go to the save's :class:`WriteEdits`, applied only once the checkpoint commits.
+encodes units and writes files in parallel: one file per large block, small blocks packed
+into shared files (``pack_below_bytes``). Additive codecs (``delta``, ``exponent``) encode
+against the writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go
+through the whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and
+rebuild it, incremental diffs add their decoded deltas to it, one-shot diffs leave it at the
+base. A diff's changes to it go to the save's :class:`WriteEdits`, applied only once the
+checkpoint commits.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from embckpt import failpoints
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
+from embckpt.config import CheckpointConfig
 from embckpt.policy import Decision, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
 from embckpt.save.snapshot import StagedUnit
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.layout import rows_file
-from embckpt.storage.manifest import FileEntry
+from embckpt.storage.layout import packed_rows_file, rows_file
+from embckpt.storage.manifest import FileEntry, FileIndex
 from embckpt.storage.phases import PhaseClock
-from embckpt.storage.rowfile_write import encode_file, index_file, row_state_columns
+from embckpt.storage.rowfile_write import (
+    BlockColumns,
+    block_columns,
+    block_indexes,
+    encode_block,
+    encode_packed,
+    index_file,
+    row_state_columns,
+)
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,29 @@ class _Part:
     restored: torch.Tensor | None = None
 
 
+PACK_BELOW_BYTES: int = CheckpointConfig.pack_below_bytes
+"""Blocks encoded smaller than this share packed files (see :class:`RowFileWriter`)."""
+PACKED_FILE_BYTES = 64 << 20  # a packed file is closed once its blocks reach this size
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One file's worth of one unit's rows, encoded into columns, not written yet."""
+
+    unit: StagedUnit
+    part: _Part
+    columns: BlockColumns
+    rows: int
+
+
 class RowFileWriter:
     """Writes staged units of one rank; ``close()`` when done.
+
+    Each unit is encoded into one block of columns (two for a ``delta`` diff with rows better
+    written whole). Blocks of at least ``pack_below_bytes`` get a file each; smaller ones
+    are *packed*: the blocks of one write with the same columns (names, types, compression)
+    share one file, each in row groups of its own, up to ``PACKED_FILE_BYTES`` a file. The
+    manifest lists each packed block on its own, with its row groups (``FileEntry.block``).
 
     Args:
         store: the checkpoint directory.
@@ -67,6 +101,7 @@ class RowFileWriter:
         rank: this rank (recorded in each file's manifest entry).
         row_group_rows: Parquet row-group size.
         threads: files encoded and written at once.
+        pack_below_bytes: blocks encoded smaller than this are packed (0: none is).
     """
 
     def __init__(
@@ -78,14 +113,18 @@ class RowFileWriter:
         rank: int,
         row_group_rows: int,
         threads: int,
+        pack_below_bytes: int = PACK_BELOW_BYTES,
     ) -> None:
         self.store = store
         self.state_codec = state_codec
         self.base_codec = base_codec
         self.rank = rank
         self.row_group_rows = row_group_rows
+        self.pack_below_bytes = pack_below_bytes
         self.reference = ReconstructedRows()
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
+        self._packs: dict[int, int] = {}  # step -> packed files written so far
+        self._packs_lock = threading.Lock()
 
     def write(
         self,
@@ -97,30 +136,67 @@ class RowFileWriter:
         clock: PhaseClock,
     ) -> list[FileEntry]:
         """Encodes with ``codec`` and writes every unit of ``staged`` as files of ``step``
-        (one per unit; two for a ``delta`` diff with rows better written whole); ``clock``
-        gets the save's ``encode``, ``hash``, ``write`` and ``fsync`` time."""
-        written = self._io.map(
-            lambda unit: self._timed_write(step, unit, decision, codec, edits, clock), staged
+        (small blocks packed together, see the class doc); ``clock`` gets the save's
+        ``encode``, ``hash``, ``write`` and ``fsync`` time."""
+        encoded = self._io.map(
+            lambda unit: self._timed_encode(unit, decision, codec, edits, clock), staged
         )
+        files = self._files([block for blocks in encoded for block in blocks], step)
+        written = self._io.map(lambda file: self._timed_write(step, file[0], file[1], clock), files)
         return [entry for entries in written for entry in entries]
 
-    def _timed_write(
+    def _files(self, blocks: list[_Block], step: int) -> list[tuple[list[_Block], str | None]]:
+        """The files to write: each large block alone (named by its block), the small ones
+        packed by schema (a packed file's name; a pack of one block is written alone)."""
+        alone: list[list[_Block]] = []
+        packs: dict[Any, list[list[_Block]]] = {}
+        for block in blocks:
+            size = block.columns.nbytes
+            if size >= self.pack_below_bytes:
+                alone.append([block])
+                continue
+            runs = packs.setdefault(block.columns.schema_key, [[]])
+            if runs[-1] and sum(b.columns.nbytes for b in runs[-1]) + size > PACKED_FILE_BYTES:
+                runs.append([])
+            runs[-1].append(block)
+        files: list[tuple[list[_Block], str | None]] = [(file, None) for file in alone]
+        for runs in packs.values():
+            for run in runs:
+                files.append((run, self._packed_name(step) if len(run) > 1 else None))
+        return files
+
+    def _packed_name(self, step: int) -> str:
+        """A fresh packed file name in ``step`` (one save may write several pieces)."""
+        with self._packs_lock:
+            for old in [s for s in self._packs if s != step]:
+                del self._packs[old]
+            number = self._packs.get(step, 0)
+            self._packs[step] = number + 1
+        return packed_rows_file(self.rank, number)
+
+    def _timed_encode(
         self,
-        step: int,
         unit: StagedUnit,
         decision: Decision,
         codec: Codec,
         edits: WriteEdits,
         clock: PhaseClock,
-    ) -> list[FileEntry]:
-        # What _write spends outside its encode, write and fsync phases is checksumming (the
-        # file's and its row groups' for the index): counted as "hash".
+    ) -> list[_Block]:
+        # What is spent outside the encode phase (the capture) is counted as "hash".
         with clock.time("hash"):
             failpoints.hit("save.encode")
             with clock.time("encode"):
                 parts = self._encode(unit, decision, codec, edits)
+            return [self._block(unit, part, edits.capture, clock) for part in parts]
+
+    def _timed_write(
+        self, step: int, blocks: list[_Block], packed: str | None, clock: PhaseClock
+    ) -> list[FileEntry]:
+        # What _write spends outside its encode, write and fsync phases is checksumming (the
+        # file's and its row groups' for the index): counted as "hash".
+        with clock.time("hash"):
             failpoints.hit("save.write")
-            return [self._write(step, unit, part, edits.capture, clock) for part in parts]
+            return self._write(step, blocks, packed, clock)
 
     def _encode(
         self, unit: StagedUnit, decision: Decision, codec: Codec, edits: WriteEdits
@@ -167,14 +243,14 @@ class RowFileWriter:
             parts.append(_Part(codec.whole, split.whole, split.whole_rows, True, whole))
         return parts
 
-    def _write(
+    def _block(
         self,
-        step: int,
         unit: StagedUnit,
         part: _Part,
         capture: CaptureEdit | None,
         clock: PhaseClock,
-    ) -> FileEntry:
+    ) -> _Block:
+        """A part's rows and optimizer states as the columns of a rows file."""
         shard = unit.unit.shard
         picked = None if part.picked is None else torch.from_numpy(part.picked)
         local_rows = unit.local_rows if picked is None else unit.local_rows[picked]
@@ -186,7 +262,7 @@ class RowFileWriter:
         with clock.time("encode"):
             row_columns = row_state_columns(self.state_codec, row_states)
             elem_columns = {n: self.state_codec.encode(t) for n, t in elem_states.items()}
-            data = encode_file(
+            columns = block_columns(
                 rows=global_rows,
                 encoded=part.encoded,
                 row_states=row_columns,
@@ -199,30 +275,51 @@ class RowFileWriter:
                     "codec": part.codec.get_config(),
                     "state_codec": self.state_codec.get_config(),
                 },
-                row_group_rows=self.row_group_rows,
             )
         if capture is not None:
             capture.add(self._captured(unit, part, local_rows, row_columns, elem_columns))
-        name = rows_file(
-            shard.table, shard.row_offset, shard.col_offset, unit.unit.part, part.whole
-        )
+        return _Block(unit, part, columns, len(global_rows))
+
+    def _write(
+        self, step: int, blocks: list[_Block], packed: str | None, clock: PhaseClock
+    ) -> list[FileEntry]:
+        """Writes one file: a block alone (``packed`` None) or several packed under the name
+        ``packed``; returns the manifest entry of each block."""
+        with clock.time("encode"):
+            if packed is None:
+                (block,) = blocks
+                data = encode_block(block.columns, self.row_group_rows)
+            else:
+                data = encode_packed([b.columns for b in blocks], self.row_group_rows)
         index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
+        if packed is None:
+            unit, part = blocks[0].unit.unit, blocks[0].part
+            shard = unit.shard
+            name = rows_file(shard.table, shard.row_offset, shard.col_offset, unit.part, part.whole)
+            indexes: list[FileIndex] = [index]
+        else:
+            name = packed
+            indexes = block_indexes(index, [b.rows for b in blocks])
         written = self.store.write_file(step, name, data, index.file_checksum, clock=clock)
-        return FileEntry(
-            path=written.path,
-            bytes=written.bytes,
-            checksum=written.checksum,
-            role="rows",
-            rank=self.rank,
-            table=shard.table,
-            row_offset=shard.row_offset,
-            col_offset=shard.col_offset,
-            shard_rows=shard.num_rows,
-            shard_cols=shard.num_cols,
-            rows=len(global_rows),
-            fqn=shard.fqn,
-            index=index,
-        )
+        return [
+            FileEntry(
+                path=written.path,
+                bytes=written.bytes,
+                checksum=written.checksum,
+                role="rows",
+                rank=self.rank,
+                table=block.unit.unit.shard.table,
+                row_offset=block.unit.unit.shard.row_offset,
+                col_offset=block.unit.unit.shard.col_offset,
+                shard_rows=block.unit.unit.shard.num_rows,
+                shard_cols=block.unit.unit.shard.num_cols,
+                rows=block.rows,
+                fqn=block.unit.unit.shard.fqn,
+                index=block_index,
+                block=None if packed is None else number,
+            )
+            for number, (block, block_index) in enumerate(zip(blocks, indexes, strict=True))
+        ]
 
     def _captured(
         self,

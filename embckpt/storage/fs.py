@@ -347,7 +347,9 @@ class CheckpointStore:
 
         Local files are memory-mapped: the bytes are checked and later parsed where the page
         cache holds them, never copied. With ``groups`` None, or for an entry without an index
-        of its own file (``FileEntry.partial_index``), the whole file is read and checked.
+        of its own file (``FileEntry.partial_index``), the whole file is read and checked;
+        except for a block of a packed file (``FileEntry.block``), of which ``groups`` None
+        reads the block's own row groups (its index lists them: without one, it is corrupt).
 
         Args:
             clock: a restore's clock: it gets the ``fetch`` and ``verify`` time.
@@ -362,7 +364,13 @@ class CheckpointStore:
 
         path = self._inside(step, entry.path)
         index = entry.partial_index
-        if groups is None or index is None:
+        if entry.block is not None:
+            if index is None:
+                raise CheckpointCorruptError(
+                    path, f"block {entry.block} of a packed file has no index of the file"
+                )
+            groups = range(len(index.row_groups)) if groups is None else groups
+        elif groups is None or index is None:
             return whole_file(self.read_checked(step, entry.written, clock), path)
         with timed(clock, "fetch"):
             try:
@@ -374,7 +382,7 @@ class CheckpointStore:
         except BaseException:
             source.close()
             raise
-        return open_ranges(source, path, entry.bytes, index, groups, clock)
+        return open_ranges(source, path, entry.bytes, index, groups, clock, entry.block)
 
     def _inside(self, step: int, relative: str) -> str:
         """The full path of a file a manifest names, refused if the name leaves the step

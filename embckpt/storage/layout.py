@@ -45,6 +45,12 @@ def rows_file(table: str, row_offset: int, col_offset: int, part: int, whole: bo
     return f"tables/{table}/r{row_offset}_c{col_offset}.p{part}{suffix}.parquet"
 
 
+def packed_rows_file(rank: int, number: int) -> str:
+    """A rows file of one rank packing several small blocks (format 4), relative to the step
+    folder: the rank's ``number``-th of the checkpoint."""
+    return f"packed/rank_{rank:05d}.{number}.parquet"
+
+
 def merged_rows_file(
     prefix: str, table: str, row_offset: int, col_offset: int, source_step: int, source: int
 ) -> str:

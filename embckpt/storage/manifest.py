@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -22,10 +21,11 @@ from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
 from embckpt.storage.paths import path_problem
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: CRC32C file checksums and float payloads as Parquet float lists; 3: a table is named by its
-collection's module path and its name (docs/ARCHITECTURE.md)."""
-READABLE_VERSIONS = (1, 2, 3)
+collection's module path and its name; 4: small blocks packed into shared rows files
+(docs/ARCHITECTURE.md)."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 QUALIFIED_TABLES_VERSION = 3
 """The first version whose table names carry their module path: older ones name tables bare."""
 
@@ -70,6 +70,9 @@ class FileIndex:
     footer_offset: int
     footer_checksum: str
     row_groups: tuple[RowGroupEntry, ...] = ()
+    first_group: int = 0
+    """The Parquet number of the first row group listed: a block of a packed file lists its
+    own row groups only, Parquet's ``first_group`` to ``first_group + len(row_groups) - 1``."""
 
     @classmethod
     def from_dict(cls, body: Mapping[str, Any]) -> FileIndex:
@@ -80,6 +83,7 @@ class FileIndex:
             row_groups=tuple(
                 RowGroupEntry(**_renamed(g, "sha256", "checksum")) for g in body["row_groups"]
             ),
+            first_group=body.get("first_group", 0),
         )
 
 
@@ -111,6 +115,24 @@ class FileEntry:
     rows: int = 0  # rows stored in this file
     fqn: str = ""
     index: FileIndex | None = None
+    block: int | None = None
+    """In a packed rows file (format 4), the block's number in the file's header ``blocks``;
+    ``bytes`` and ``checksum`` are then the whole file's, ``index`` lists the block's own row
+    groups. None: the file holds this block alone."""
+
+    @property
+    def packed(self) -> bool:
+        return self.block is not None
+
+    @property
+    def own_bytes(self) -> float:
+        """The bytes of this block: the whole file, or for a block of a packed file its row
+        groups plus their share (by length) of the file's footer and leading magic."""
+        index = self.index
+        if self.block is None or index is None or index.footer_offset <= 4:
+            return float(self.bytes)
+        own = sum(g.length for g in index.row_groups)
+        return own + (self.bytes - index.footer_offset + 4) * own / (index.footer_offset - 4)
 
     @property
     def partial_index(self) -> FileIndex | None:
@@ -183,7 +205,13 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.bytes for f in self.files)
+        """Bytes of the files listed, each file once (blocks of a packed file share it)."""
+        return files_bytes(self.files)
+
+    @property
+    def file_count(self) -> int:
+        """Files listed, each once (several blocks may share one packed rows file)."""
+        return len({f.path for f in self.files})
 
     @property
     def rows_written(self) -> int:
@@ -193,10 +221,17 @@ class Manifest:
         return replace(self, stats={**self.stats, **stats})
 
     def repeated_paths(self) -> list[str]:
-        """File paths listed more than once, sorted: two entries of one file, of which the
-        later write overwrote the other."""
-        counts = Counter(f.path for f in self.files)
-        return sorted(path for path, n in counts.items() if n > 1)
+        """File paths listed more than once where one file cannot hold both entries, sorted:
+        two entries of one file, of which the later write overwrote the other.
+
+        Only blocks of one packed rows file share a path: every entry of the path is a rows
+        entry with a block number, the numbers differ, the entries agree on the file (size,
+        checksum, footer) and their row groups do not overlap. Anything else is repeated.
+        """
+        by_path: dict[str, list[FileEntry]] = {}
+        for f in self.files:
+            by_path.setdefault(f.path, []).append(f)
+        return sorted(p for p, entries in by_path.items() if not _one_packed_file(entries))
 
     @property
     def qualified_tables(self) -> bool:
@@ -275,6 +310,36 @@ class Manifest:
                 path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
             )
         return manifest
+
+
+def files_bytes(files: Iterable[FileEntry]) -> int:
+    """The bytes of ``files``, each path counted once."""
+    return sum({f.path: f.bytes for f in files}.values())
+
+
+def _one_packed_file(entries: list[FileEntry]) -> bool:
+    """Whether entries of one path are blocks one packed file can hold together (see
+    :meth:`Manifest.repeated_paths`); a path listed once always is."""
+    if len(entries) == 1:
+        return True
+    if any(e.role != "rows" or e.block is None or e.index is None for e in entries):
+        return False
+    if len({e.block for e in entries}) != len(entries):
+        return False
+    first = entries[0]
+    file_of = {
+        (e.bytes, e.checksum, e.index.file_checksum, e.index.footer_offset, e.index.footer_checksum)
+        for e in entries
+        if e.index is not None
+    }
+    if len(file_of) != 1 or first.index is None or first.index.file_checksum != first.checksum:
+        return False
+    spans = sorted(
+        (e.index.first_group, e.index.first_group + len(e.index.row_groups))
+        for e in entries
+        if e.index is not None
+    )
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 def _file_entry(body: Mapping[str, Any]) -> FileEntry:

@@ -8,7 +8,16 @@ Columns:
 - the codec's columns (``payload`` and any per-row parameters);
 - ``state.<name>`` for each row-wise optimizer state: its values, or under a lossy state codec
   ``state.<name>.<column>``, the state encoded as a batch [rows, 1];
-- ``elem.<name>.<column>`` for each element-wise optimizer state.
+- ``elem.<name>.<column>`` for each element-wise optimizer state;
+- ``table`` and ``col`` (format 4 on): the block's table identity and first global column,
+  dictionary-coded (a few bytes per row group), so a query over many files, packed ones
+  included, selects a table's rows by value (``WHERE "table" = ...``).
+
+A *packed* rows file (format 4) holds several small blocks of one rank and one checkpoint
+whose columns have the same names and types: each block's rows in row groups of their own,
+blocks one after the other. Its header is ``{"blocks": [<block header>, ...]}``, a block's
+number in the file being its place there; the manifest lists one entry per block, with the
+block's number and its own row groups (``FileIndex.first_group``).
 
 The file's key-value metadata ``embckpt`` (its header) holds the codec configs, what they need
 to decode (``codec_meta``, ``elem_meta``, and ``state_meta`` when a row-wise state is encoded)
@@ -32,6 +41,10 @@ needs, checks each against its checksum before parsing, and lets Parquet read no
 from __future__ import annotations
 
 ROW_COLUMN = "row"
+TABLE_COLUMN = "table"
+COL_COLUMN = "col"
+BLOCK_COLUMNS = (ROW_COLUMN, TABLE_COLUMN, COL_COLUMN)  # not the codec's
+BLOCKS_KEY = "blocks"  # a packed file's header: each block's own header
 STATE_PREFIX = "state."
 ELEM_STATE_PREFIX = "elem."
 HEADER_KEY = b"embckpt"

@@ -23,7 +23,15 @@ from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import verify
 from embckpt.storage.manifest import FileIndex
 from embckpt.storage.phases import PhaseClock
-from embckpt.storage.rowfile import ELEM_STATE_PREFIX, HEADER_KEY, MAGIC, ROW_COLUMN, STATE_PREFIX
+from embckpt.storage.rowfile import (
+    BLOCK_COLUMNS,
+    BLOCKS_KEY,
+    ELEM_STATE_PREFIX,
+    HEADER_KEY,
+    MAGIC,
+    ROW_COLUMN,
+    STATE_PREFIX,
+)
 
 BATCH_BYTES = 8 << 20  # bytes of row groups decoded at a time (at least one row group)
 _PARSE_ERRORS = (pa.ArrowException, OSError, KeyError, TypeError, ValueError)
@@ -73,6 +81,8 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBatc
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data))
         header = json.loads(parquet.schema_arrow.metadata[HEADER_KEY])
+        if BLOCKS_KEY in header:
+            raise ValueError("a packed file: its blocks are read one by one (open_rows)")
         table = pq.read_table(
             pa.BufferReader(data),
             filters=[(ROW_COLUMN, ">=", row_lo), (ROW_COLUMN, "<", row_hi)],
@@ -90,8 +100,9 @@ class CheckedFile:
     outside them raises.
 
     Attributes:
-        header: the file's own metadata (codec configs, the block's place and shape).
-        groups: the row groups checked and read.
+        header: the file's own metadata (codec configs, the block's place and shape); in a
+            packed file, the header of block ``block``.
+        groups: the row groups checked and read (Parquet's numbers).
         bytes_read: bytes fetched.
     """
 
@@ -104,6 +115,7 @@ class CheckedFile:
         groups: Sequence[int],
         bytes_read: int,
         source: RangeSource | None = None,
+        block: int | None = None,
     ) -> None:
         self.path = path
         self.groups = list(groups)
@@ -113,9 +125,13 @@ class CheckedFile:
         self._segments = segments
         self._source = source
         try:
-            self.header: Mapping[str, Any] = json.loads(
-                footer.schema.to_arrow_schema().metadata[HEADER_KEY]
-            )
+            header = json.loads(footer.schema.to_arrow_schema().metadata[HEADER_KEY])
+            if (BLOCKS_KEY in header) != (block is not None):
+                raise ValueError(
+                    f"the manifest says block {block}, the file is "
+                    + ("packed" if BLOCKS_KEY in header else "not packed")
+                )
+            self.header: Mapping[str, Any] = header if block is None else header[BLOCKS_KEY][block]
         except _PARSE_ERRORS as exc:
             raise CheckpointCorruptError(path, f"not an embckpt Parquet file: {exc}") from exc
 
@@ -167,6 +183,33 @@ class CheckedFile:
                 self.path, f"not a readable embckpt Parquet file: {exc}"
             ) from exc
 
+    def read_all(self) -> RowBatch:
+        """Every row of the checked row groups in one batch (columns of several chunks).
+
+        Raises:
+            CheckpointCorruptError: the checked bytes do not parse.
+        """
+        try:
+            table = self._parquet().read_row_groups(self.groups, use_threads=False)
+        except _PARSE_ERRORS as exc:
+            raise CheckpointCorruptError(
+                self.path, f"not a readable embckpt Parquet file: {exc}"
+            ) from exc
+        return _row_batch(table, self.header)
+
+    def compression(self) -> dict[str, str]:
+        """The Parquet compression each column of the checked row groups was written with
+        (``none`` for uncompressed), keyed by column name (a float list by its own name)."""
+        if not self.groups:
+            return {}
+        group = self._footer.row_group(self.groups[0])
+        found = {}
+        for i in range(group.num_columns):
+            codec = group.column(i).compression.lower()
+            name = group.column(i).path_in_schema.removesuffix(".list.element")
+            found[name] = "none" if codec == "uncompressed" else codec
+        return found
+
     def close(self) -> None:
         self._segments = []
         if self._source is not None:
@@ -185,14 +228,17 @@ def open_ranges(
     index: FileIndex,
     groups: Sequence[int],
     clock: PhaseClock | None = None,
+    block: int | None = None,
 ) -> CheckedFile:
     """Fetches a file's footer and row groups ``groups`` from ``source`` and checks each
     against the index; the returned file closes ``source``.
 
     Args:
         size: the file's size, from the manifest (the caller checked the file has it).
-        index: the file's index, from the manifest.
-        groups: ascending row-group numbers to fetch.
+        index: the file's index, from the manifest (a packed file's block: its own row
+            groups, from Parquet's ``index.first_group`` on).
+        groups: ascending positions in ``index.row_groups`` to fetch.
+        block: the block's number in a packed file (None: a file of one block).
         clock: gets the fetching time as ``fetch``, the rest (checksums, parsing the footer)
             as ``verify``.
 
@@ -231,13 +277,16 @@ def open_ranges(
             parsed = pq.read_metadata(pa.BufferReader(pa.py_buffer(MAGIC + footer.to_pybytes())))
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise CheckpointCorruptError(path, f"footer does not parse: {exc}") from exc
-        if parsed.num_row_groups != len(index.row_groups):
+        listed = index.first_group + len(index.row_groups)
+        if (parsed.num_row_groups != listed) if block is None else (parsed.num_row_groups < listed):
             raise CheckpointCorruptError(
                 path,
-                f"footer lists {parsed.num_row_groups} row groups, the manifest "
-                f"{len(index.row_groups)}",
+                f"footer lists {parsed.num_row_groups} row groups, the manifest {listed}",
             )
-        return CheckedFile(path, size, parsed, segments, groups, fetched.bytes, source)
+        parquet_groups = [index.first_group + g for g in groups]
+        return CheckedFile(
+            path, size, parsed, segments, parquet_groups, fetched.bytes, source, block
+        )
     except BaseException:
         source.close()
         raise
@@ -289,7 +338,7 @@ def _row_batch(table: pa.Table | pa.RecordBatch, header: Mapping[str, Any]) -> R
     codec_cols = {
         n: table[n]
         for n in names
-        if n != ROW_COLUMN and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
+        if n not in BLOCK_COLUMNS and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
     }
     coded_states = _coded_states(table, STATE_PREFIX, header.get("state_meta", {}))
     coded_columns = {

@@ -1,10 +1,12 @@
 """Writing rows files (the format: ``rowfile.py``): encode a block's rows into one Parquet
-file in memory, and index its row groups for partial reads."""
+file in memory, or several small blocks into one packed file, and index its row groups for
+partial reads."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +16,16 @@ import pyarrow.parquet as pq
 from embckpt.codecs.base import Codec, EncodedRows
 from embckpt.storage import checksum as checksums
 from embckpt.storage.manifest import FileIndex, RowGroupEntry
-from embckpt.storage.rowfile import ELEM_STATE_PREFIX, HEADER_KEY, MAGIC, ROW_COLUMN, STATE_PREFIX
+from embckpt.storage.rowfile import (
+    BLOCKS_KEY,
+    COL_COLUMN,
+    ELEM_STATE_PREFIX,
+    HEADER_KEY,
+    MAGIC,
+    ROW_COLUMN,
+    STATE_PREFIX,
+    TABLE_COLUMN,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -39,21 +50,60 @@ def row_state_columns(
     return {name: codec.encode(values.reshape(-1, 1)) for name, values in states.items()}
 
 
-def encode_file(
+@dataclass(frozen=True)
+class BlockColumns:
+    """One block's rows as the columns of a rows file, not written yet (:func:`block_columns`).
+
+    Blocks whose ``schema_key`` is equal can share a packed file (:func:`encode_packed`).
+    """
+
+    table: pa.Table  # the columns, without the header
+    compression: dict[str, str]  # Parquet compression by column name
+    header: dict[str, Any]  # the block's header (see rowfile.py)
+
+    @property
+    def schema_key(self) -> tuple[Any, ...]:
+        """What blocks packed together must share: column names, types and compression."""
+        fields = tuple((f.name, str(f.type)) for f in self.table.schema)
+        return fields, tuple(sorted(self.compression.items()))
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the block's columns in memory (about its size in the file; the
+        dictionary-coded ``table`` and ``col`` are next to nothing there)."""
+        return sum(
+            buf.size
+            for name, column in zip(self.table.column_names, self.table.columns, strict=True)
+            if name not in (TABLE_COLUMN, COL_COLUMN)
+            for chunk in column.chunks
+            for buf in chunk.buffers()
+            if buf
+        )
+
+
+def _constant(value: Any, type_: pa.DataType, count: int) -> pa.Array:
+    """``count`` times ``value``, as a dictionary array (one value, ``count`` indices)."""
+    indices = pa.array(np.zeros(count, dtype=np.int32))
+    return pa.DictionaryArray.from_arrays(indices, pa.array([value], type=type_))
+
+
+def block_columns(
     rows: np.ndarray,
     encoded: EncodedRows,
     row_states: Mapping[str, np.ndarray | EncodedRows],
     elem_states: Mapping[str, EncodedRows],
     metadata: Mapping[str, Any],
-    row_group_rows: int,
-) -> pa.Buffer:
-    """Builds one Parquet file in memory and returns its bytes.
-
-    ``row_states`` holds each row-wise state's values, or its encoded batch
-    (:func:`row_state_columns`); the encoded ones' metadata goes to the header's
-    ``state_meta``, absent when no state is encoded.
-    """
-    columns: dict[str, pa.Array] = {ROW_COLUMN: pa.array(rows, type=pa.int64())}
+) -> BlockColumns:
+    """A block's columns and header: its row ids, table and first column, the codec's
+    columns, its row-wise states (values, or encoded: :func:`row_state_columns`) and its
+    element-wise states. The encoded states' metadata goes to the header's ``state_meta``,
+    absent when no state is encoded. ``metadata`` holds ``table`` and ``col_offset``."""
+    count = len(rows)
+    columns: dict[str, pa.Array] = {
+        ROW_COLUMN: pa.array(rows, type=pa.int64()),
+        TABLE_COLUMN: _constant(str(metadata.get("table", "")), pa.string(), count),
+        COL_COLUMN: _constant(int(metadata.get("col_offset", 0)), pa.int32(), count),
+    }
     columns.update(encoded.columns)
     coded_states: dict[str, EncodedRows] = {}
     for name, values in row_states.items():
@@ -74,8 +124,7 @@ def encode_file(
         meta["state_meta"] = {name: dict(s.metadata) for name, s in coded_states.items()}
     # Every column is required (no row has nulls): Parquet stores no definition levels then.
     schema = pa.schema(
-        [pa.field(name, values.type, nullable=False) for name, values in columns.items()],
-        metadata={HEADER_KEY: json.dumps(meta).encode()},
+        [pa.field(name, values.type, nullable=False) for name, values in columns.items()]
     )
     table = pa.Table.from_arrays(list(columns.values()), schema=schema)
     compression = {name: "none" for name in columns}
@@ -84,33 +133,90 @@ def encode_file(
     for prefix, states in coded.items():
         for name, state in states.items():
             compression.update({f"{prefix}{name}.{col}": c for col, c in state.compression.items()})
-    compression = {_leaf(n, table.schema.field(n).type): c for n, c in compression.items()}
+    return BlockColumns(table, compression, meta)
+
+
+def encode_file(
+    rows: np.ndarray,
+    encoded: EncodedRows,
+    row_states: Mapping[str, np.ndarray | EncodedRows],
+    elem_states: Mapping[str, EncodedRows],
+    metadata: Mapping[str, Any],
+    row_group_rows: int,
+) -> pa.Buffer:
+    """Builds the rows file of one block in memory and returns its bytes (the columns:
+    :func:`block_columns`)."""
+    block = block_columns(rows, encoded, row_states, elem_states, metadata)
+    return encode_block(block, row_group_rows)
+
+
+def encode_block(block: BlockColumns, row_group_rows: int) -> pa.Buffer:
+    """The rows file of one block alone."""
+    return _write([block], block.header, row_group_rows)
+
+
+def encode_packed(blocks: Sequence[BlockColumns], row_group_rows: int) -> pa.Buffer:
+    """Builds one packed rows file of ``blocks`` (equal ``schema_key``), each block in row
+    groups of its own, in order; the header lists each block's header (``blocks``)."""
+    if not blocks or len({b.schema_key for b in blocks}) != 1:
+        raise ValueError("a packed file needs blocks of one schema")
+    return _write(blocks, {BLOCKS_KEY: [b.header for b in blocks]}, row_group_rows)
+
+
+def _write(
+    blocks: Sequence[BlockColumns], header: Mapping[str, Any], row_group_rows: int
+) -> pa.Buffer:
+    first = blocks[0]
+    schema = first.table.schema.with_metadata({HEADER_KEY: json.dumps(header).encode()})
+    compression = {_leaf(n, schema.field(n).type): c for n, c in first.compression.items()}
+    dictionary = [TABLE_COLUMN, COL_COLUMN]
     options: dict[str, Any] = {
-        "row_group_size": row_group_rows,
         "compression": compression,
-        "use_dictionary": False,
-        "write_statistics": [ROW_COLUMN],
-        "column_encoding": {_leaf(f.name, f.type): _encoding(f.name, f.type) for f in table.schema},
+        "use_dictionary": dictionary,
+        "write_statistics": [ROW_COLUMN, TABLE_COLUMN],
+        "column_encoding": {
+            _leaf(f.name, f.type): _encoding(f.name, f.type)
+            for f in schema
+            if f.name not in dictionary
+        },
     }
+
+    def write(sink: Any) -> None:
+        with pq.ParquetWriter(sink, schema, **options) as out:
+            for block in blocks:
+                out.write_table(block.table, row_group_size=row_group_rows)
+
     # Written into one buffer sized from the columns (a growing stream reallocates and copies
     # the file several times over: about 1.6x slower). The file is rarely larger than its
     # columns (page headers, the footer, codec-compressed payloads that did not shrink).
-    size = _SLACK_BYTES + sum(
-        buf.size
-        for column in table.columns
-        for chunk in column.chunks
-        for buf in chunk.buffers()
-        if buf
-    ) * (1 + _SLACK_FRACTION)
+    size = _SLACK_BYTES + sum(b.nbytes for b in blocks) * (1 + _SLACK_FRACTION)
     buffer = pa.allocate_buffer(int(size))
     sink = pa.FixedSizeBufferWriter(buffer)
     try:
-        pq.write_table(table, sink, **options)
+        write(sink)
     except OSError:  # "write out of bounds": it did not fit after all
         grown = pa.BufferOutputStream()
-        pq.write_table(table, grown, **options)
+        write(grown)
         return grown.getvalue()
     return buffer.slice(0, sink.tell())
+
+
+def block_indexes(index: FileIndex, rows: Sequence[int]) -> list[FileIndex]:
+    """A packed file's index cut per block: block i (``rows[i]`` rows, in file order) gets
+    its own row groups, numbered from ``first_group``."""
+    cut = []
+    group = 0
+    for count in rows:
+        first, held = group, 0
+        while held < count:
+            held += index.row_groups[group].rows
+            group += 1
+        if held != count:
+            raise ValueError(f"row groups of {held} rows where the block has {count}")
+        cut.append(replace(index, row_groups=index.row_groups[first:group], first_group=first))
+    if group != len(index.row_groups):
+        raise ValueError(f"{len(index.row_groups) - group} row groups beyond the blocks")
+    return cut
 
 
 def _encoding(name: str, type_: pa.DataType) -> str:
