@@ -225,7 +225,7 @@ def _inspect(args: argparse.Namespace) -> int:
                     "parent_step": m.parent_step,
                     "base_step": m.base_step,
                     "world_size": m.world_size,
-                    "files": len(m.files),
+                    "files": m.file_count,
                     "bytes": m.total_bytes,
                     "codec": m.codec["id"],
                 }
@@ -260,7 +260,7 @@ def _inspect(args: argparse.Namespace) -> int:
         parent = "-" if manifest.parent_step is None else manifest.parent_step
         print(
             f"step {step}: {manifest.kind} (policy {manifest.policy}, parent {parent}, "
-            f"base {manifest.base_step}), {len(manifest.files)} files, "
+            f"base {manifest.base_step}), {manifest.file_count} files, "
             f"{manifest.total_bytes:,} bytes, {manifest.world_size} ranks, "
             f"codec {manifest.codec['id']}"
         )
@@ -371,7 +371,7 @@ def _merge(args: argparse.Namespace) -> int:
     manifest = merge(store, args.step)
     sources = manifest.stats.get("merged_from", [args.step])
     print(
-        f"step {args.step}: self-contained full checkpoint of {len(manifest.files)} files, "
+        f"step {args.step}: self-contained full checkpoint of {manifest.file_count} files, "
         f"{manifest.total_bytes:,} bytes (folded from steps {sources})"
     )
     return 0

@@ -46,7 +46,7 @@ def describe_restore(directory: str, step: int | None = None) -> tuple[str, bool
     head = chain[-1]
     lines = [f"step {step} of {store.uri}: a chain of {len(chain)} checkpoint(s), base first"]
     for m in chain:
-        rows = sum(1 for f in m.files if f.role == "rows")
+        rows = len({f.path for f in m.files if f.role == "rows"})  # a packed file holds several
         lines.append(
             f"  step {m.step}: {m.kind}, {rows} rows files, {m.total_bytes:,} bytes, "
             f"{m.rows_written:,} rows, written by {m.world_size} ranks, codec {m.codec.get('id')}"
