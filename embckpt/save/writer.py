@@ -150,15 +150,19 @@ class RowFileWriter:
         packed by schema (a packed file's name; a pack of one block is written alone)."""
         alone: list[list[_Block]] = []
         packs: dict[Any, list[list[_Block]]] = {}
+        filled: dict[Any, int] = {}  # bytes in each schema's last run
         for block in blocks:
             size = block.columns.nbytes
             if size >= self.pack_below_bytes:
                 alone.append([block])
                 continue
-            runs = packs.setdefault(block.columns.schema_key, [[]])
-            if runs[-1] and sum(b.columns.nbytes for b in runs[-1]) + size > PACKED_FILE_BYTES:
+            key = block.columns.schema_key
+            runs = packs.setdefault(key, [[]])
+            if runs[-1] and filled[key] + size > PACKED_FILE_BYTES:
                 runs.append([])
+                filled[key] = 0
             runs[-1].append(block)
+            filled[key] = filled.get(key, 0) + size
         files: list[tuple[list[_Block], str | None]] = [(file, None) for file in alone]
         for runs in packs.values():
             for run in runs:

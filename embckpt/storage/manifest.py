@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
@@ -249,9 +249,11 @@ class Manifest:
         return replace(self, tables=tables, files=files)
 
     def to_json(self) -> str:
-        body = asdict(self)
+        """The manifest's text: one line of JSON (the C encoder: an indented dump runs in
+        Python, about 4 ms for 150 files, on the critical path of every save)."""
+        body = _plain(self)
         body["checksum"] = _checksum(body)
-        return json.dumps(body, indent=1, sort_keys=True)
+        return json.dumps(body, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, path: str) -> Manifest:
@@ -364,6 +366,26 @@ def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> dict[str, Any]:
     renamed = {k: v for k, v in body.items() if k != old_key}
     renamed[key] = body[old_key]
     return renamed
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` without its deep copies of every leaf (several times faster)."""
+    kind = type(value)
+    if kind in (str, int, float, bool) or value is None:
+        return value
+    if is_dataclass(value):
+        names = _FIELD_NAMES.get(kind)
+        if names is None:
+            names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(value))
+        return {name: _plain(getattr(value, name)) for name in names}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _checksum(body: Mapping[str, Any]) -> str:
