@@ -64,12 +64,15 @@ def _arm(ckpt, point: str, nth: int) -> None:
         store.write_atomic = atomic
 
 
-def _train_and_crash(rank: int, world_size: int, root: str, point: str, victim: int, nth: int):
+def _train_and_crash(
+    rank: int, world_size: int, root: str, point: str, victim: int, nth: int, packed: bool
+):
     from embckpt import CheckpointConfig, Checkpointer
 
-    # Files unpacked, so that the file counts below hold (tests/test_packed.py kills a save
-    # in its packed file).
-    config = CheckpointConfig(policy="incremental", full_every=3, pack_below_bytes=0)
+    # Unpacked trials write one file per block; packed ones (the default) share rows files.
+    config = CheckpointConfig(
+        policy="incremental", full_every=3, **({} if packed else {"pack_below_bytes": 0})
+    )
     model, opt = tm.build(world_size, seed=0)
     ckpt = Checkpointer(model, root, optimizer=opt, config=config)
     if rank == victim:
@@ -111,22 +114,28 @@ def _restore_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
     return out
 
 
-# (point, victim rank, nth occurrence, step of the save it dies in). Saves at steps 3 (full),
-# 6, 9 (diffs), 12 (full), 15 and 18 (diffs); rank 0 writes 6 files in each, rank 1 5 in a full
-# and 3 in a diff. Every point is hit in a diff on each rank that reaches it (the manifest is
-# rank 0's); a half-written file and a missing manifest, which leave an uncommitted step behind,
-# also in the full of step 12, which a restore must not take as the base of its chain.
+# (point, victim rank, nth occurrence, step of the save it dies in, packed). Saves at steps 3
+# (full), 6, 9 (diffs), 12 (full), 15 and 18 (diffs). Unpacked, rank 0 writes 6 files in each,
+# rank 1 5 in a full and 3 in a diff; packed (small blocks of one schema share a rows file),
+# rank 0 writes 5 in each and rank 1 3. Every point is hit in a diff on each rank that reaches
+# it (the manifest is rank 0's); a half-written file and a missing manifest, which leave an
+# uncommitted step behind, also in the full of step 12, which a restore must not take as the
+# base of its chain; and the same in saves that pack their blocks.
 TRIALS = (
-    ("stage", 1, 2, 6),
-    ("stage", 0, 3, 9),
-    ("mid_file", 1, 8, 6),  # its last file
-    ("mid_file", 0, 14, 9),  # its second file
-    ("between_files", 0, 9, 6),
-    ("between_files", 1, 17, 15),  # after the second full
-    ("before_manifest", 0, 2, 6),
-    ("after_manifest", 0, 3, 9),
-    ("mid_file", 0, 20, 12),  # its second file
-    ("before_manifest", 0, 4, 12),  # every file written
+    ("stage", 1, 2, 6, False),
+    ("stage", 0, 3, 9, False),
+    ("mid_file", 1, 8, 6, False),  # its last file
+    ("mid_file", 0, 14, 9, False),  # its second file
+    ("between_files", 0, 9, 6, False),
+    ("between_files", 1, 17, 15, False),  # after the second full
+    ("before_manifest", 0, 2, 6, False),
+    ("after_manifest", 0, 3, 9, False),
+    ("mid_file", 0, 20, 12, False),  # its second file
+    ("before_manifest", 0, 4, 12, False),  # every file written
+    ("mid_file", 1, 4, 6, True),  # its two rows files of the diff (one holds two blocks),
+    ("mid_file", 1, 5, 6, True),  # written in parallel: between them, both are hit
+    ("between_files", 0, 7, 6, True),
+    ("mid_file", 0, 17, 12, True),  # its second file of the full
 )
 
 
@@ -137,10 +146,10 @@ def test_sigkill_anywhere_in_a_save_leaves_the_latest_commit_restorable() -> Non
     with tempfile.TemporaryDirectory() as tmp:
         roots, before = [], []
         for i, trial in enumerate(trials):
-            point, victim, nth, dies_in = trial
+            point, victim, nth, dies_in, packed = trial
             root = f"{tmp}/trial{i}"
             try:  # the victim dies, its peer loses its connection
-                run_ranks(_train_and_crash, 2, root, point, victim, nth, timeout_s=120)
+                run_ranks(_train_and_crash, 2, root, point, victim, nth, packed, timeout_s=120)
                 killed = False
             except RankFailed:
                 killed = True
