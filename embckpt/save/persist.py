@@ -4,8 +4,8 @@ Runs on the persist thread (inline with ``pipeline="off"``) and changes no saver
 returns the committed manifest or raises, the same on every rank, and the training thread
 applies that outcome (``save/transaction.py``). Order: the last piece is staged (the next weight
 update waits for it), rows and dense files are written, ranks agree, rank 0 writes the manifest,
-ranks agree again; then rank 0 applies retention and the ranks meet once more. On any failure
-rank 0 deletes the step's files.
+ranks agree again; then, with ``keep_last`` set, rank 0 applies retention and the ranks meet
+once more. On any failure rank 0 deletes the step's files.
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ class Persister:
             self._release_guard()
             self._discard_step(step)
             raise
-        if comm.rank == 0:
-            self._apply_retention(step)
-        self._await_retention(step)
+        if self.ctx.config.keep_last:  # without retention, the commit's agreement is the last
+            if comm.rank == 0:
+                self._apply_retention(step)
+            self._await_retention(step)
         return manifest.with_stats(persist_seconds=time.perf_counter() - started)
 
     def _discard_step(self, step: int) -> None:
@@ -150,8 +151,6 @@ class Persister:
     def _apply_retention(self, step: int) -> None:
         """Rank 0, after the commit: drop what is not kept. Its failure never fails the save
         (the checkpoint is committed): it is logged and retried after the next one."""
-        if not self.ctx.config.keep_last:
-            return
         try:
             failpoints.hit("save.retention")
             apply_retention(self.ctx.store, self.ctx.config.keep_last)
