@@ -43,7 +43,6 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
 from embckpt import failpoints
@@ -68,7 +67,7 @@ from embckpt.storage.manifest import (
     files_bytes,
 )
 from embckpt.storage.rowfile import ELEM_STATE_PREFIX, STATE_PREFIX
-from embckpt.storage.rowfile_read import RowBatch, decode_file
+from embckpt.storage.rowfile_read import RowBatch
 from embckpt.storage.rowfile_write import encode_file, index_file
 
 _BlockKey = tuple[str, int, int, int, int]
@@ -95,22 +94,6 @@ def _latest_rows(rows: np.ndarray) -> np.ndarray:
     """Indices of the last occurrence of each row id, in ascending row id order."""
     _, first_from_end = np.unique(rows[::-1], return_index=True)
     return len(rows) - 1 - first_from_end
-
-
-def _compression(data: pa.Buffer) -> dict[str, str]:
-    """The Parquet compression each column of a file was written with (the codec asked for
-    it, e.g. zstd as the entropy stage): kept so a copied column stays as small as it was."""
-    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    if meta.num_row_groups == 0:
-        return {}
-    group = meta.row_group(0)
-    found = {}
-    for i in range(group.num_columns):
-        codec = group.column(i).compression.lower()
-        # A float list's options are its values' (``payload.list.element``): keyed by column.
-        name = group.column(i).path_in_schema.removesuffix(".list.element")
-        found[name] = "none" if codec == "uncompressed" else codec
-    return found
 
 
 def merge(store: CheckpointStore, step: int, row_group_rows: int = 65536) -> Manifest:
@@ -219,17 +202,12 @@ def _read_source(store: CheckpointStore, step: int, entry: FileEntry) -> _Source
             whatever state the restored model held, which no full checkpoint can reproduce.
     """
     path = store.step_path(step, entry.path)
-    if entry.block is None:
-        data = store.read_checked(step, entry.written)
-        batch = decode_file(data, path, entry.row_offset, entry.row_offset + entry.shard_rows)
-        compression = _compression(data)
-    else:
-        checked = store.open_rows(step, entry, None)  # the block's row groups
-        try:
-            batch = checked.read_all()
-            compression = checked.compression()
-        finally:
-            checked.close()
+    checked = store.open_rows(step, entry, None)  # the whole file, or a packed block's groups
+    try:
+        batch = checked.read_all()
+        compression = checked.compression()
+    finally:
+        checked.close()
     if batch.elem_states and codec_from_config(batch.header["state_codec"]).additive:
         raise EmbckptError(
             f"{path}: element-wise optimizer states use an additive codec "
