@@ -18,7 +18,7 @@ from embckpt.storage.layout import MANIFEST_NAME
 
 SAVE_EVERY = 3
 STEPS = 18
-POINTS = ("stage", "mid_file", "between_files", "before_manifest", "after_manifest")
+POINTS = ("stage", "mid_file", "mid_packed", "between_files", "before_manifest", "after_manifest")
 
 
 def _die() -> None:
@@ -50,7 +50,8 @@ def _arm(ckpt, point: str, nth: int) -> None:
 
         def atomic(path, data, **timing):
             is_manifest = path.endswith(MANIFEST_NAME)
-            if point == "mid_file" and not is_manifest and hit():
+            counted = "/packed/" in path if point == "mid_packed" else not is_manifest
+            if point in ("mid_file", "mid_packed") and counted and hit():
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(f"{path}.tmp-killed", "wb") as out:
                     out.write(memoryview(data)[: len(memoryview(data)) // 2])
@@ -117,10 +118,11 @@ def _restore_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
 # (point, victim rank, nth occurrence, step of the save it dies in, packed). Saves at steps 3
 # (full), 6, 9 (diffs), 12 (full), 15 and 18 (diffs). Unpacked, rank 0 writes 6 files in each,
 # rank 1 5 in a full and 3 in a diff; packed (small blocks of one schema share a rows file),
-# rank 0 writes 5 in each and rank 1 3. Every point is hit in a diff on each rank that reaches
-# it (the manifest is rank 0's); a half-written file and a missing manifest, which leave an
-# uncommitted step behind, also in the full of step 12, which a restore must not take as the
-# base of its chain; and the same in saves that pack their blocks.
+# rank 0 writes 5 in each, one of them a packed file of two blocks, and rank 1 3. Every point
+# is hit in a diff on each rank that reaches it (the manifest is rank 0's); a half-written file
+# and a missing manifest, which leave an uncommitted step behind, also in the full of step 12,
+# which a restore must not take as the base of its chain; and a half-written packed file, in a
+# diff and in a full.
 TRIALS = (
     ("stage", 1, 2, 6, False),
     ("stage", 0, 3, 9, False),
@@ -132,8 +134,8 @@ TRIALS = (
     ("after_manifest", 0, 3, 9, False),
     ("mid_file", 0, 20, 12, False),  # its second file
     ("before_manifest", 0, 4, 12, False),  # every file written
-    ("mid_file", 1, 4, 6, True),  # its two rows files of the diff (one holds two blocks),
-    ("mid_file", 1, 5, 6, True),  # written in parallel: between them, both are hit
+    ("mid_packed", 0, 2, 6, True),  # a packed rows file (two blocks), half written: a diff
+    ("mid_packed", 0, 4, 12, True),  # and a full
     ("between_files", 0, 7, 6, True),
     ("mid_file", 0, 17, 12, True),  # its second file of the full
 )
