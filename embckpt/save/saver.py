@@ -105,8 +105,6 @@ class Saver:
             else None
         )
         self._blocked_since_tick = 0.0
-        # Every rank's fused-optimizer counters as of the last decision: rank 0 saves them.
-        self._fused_scalars: dict[str, torch.Tensor] = {}
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
         self._persister = Persister(context, state, writer, self._stage_piece, self._guard)
@@ -135,7 +133,7 @@ class Saver:
         self.follow_expected_restores()
         transaction = SaveTransaction(step, self.state)
         try:
-            decision, dirty, states = self._decide(step, transaction)
+            decided = self._decide(step, transaction)
         except BaseException:
             transaction.roll_back()
             raise
@@ -144,7 +142,7 @@ class Saver:
         clock = PhaseClock()
         mode = self.ctx.config.pipeline
         try:
-            snapshot = self._snapshot(step, decision, dirty, states, started, clock, transaction)
+            snapshot = self._snapshot(step, decided, started, clock, transaction)
             if mode == "off":
                 _run_into(future, self._persister.persist, snapshot)
             else:
@@ -190,11 +188,9 @@ class Saver:
         if not inflight.observed:
             inflight.wait()  # raises its failure, once
 
-    def _decide(
-        self, step: int, transaction: SaveTransaction
-    ) -> tuple[Decision, dict[View, float], dict[str, Any]]:
-        """Decides the checkpoint, the same on every rank, and takes the statefuls' state (the
-        snapshot copies it)."""
+    def _decide(self, step: int, transaction: SaveTransaction) -> _Decided:
+        """Decides the checkpoint, the same on every rank, and takes what the snapshot copies:
+        the statefuls' state and every rank's fused-optimizer counters."""
         ctx, state = self.ctx, self.state
         comm = ctx.comm
         try:
@@ -224,7 +220,7 @@ class Saver:
         gathered = comm.gather_checked(
             (local, times, scalars), error, f"deciding step {step}", SaveRankError
         )
-        self._fused_scalars = {k: _tensor(v) for g in gathered for k, v in g[2].items()}
+        fused_scalars = {k: _tensor(v) for g in gathered for k, v in g[2].items()}
         since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
         clean, extra, blocked = (max(g[1][i] for g in gathered) for i in range(3))
         if ctx.config.adaptive_interval and measured.iterations:
@@ -249,7 +245,7 @@ class Saver:
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="additive codec: no reconstructed base yet")
         transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
-        return decision, dirty, states
+        return _Decided(decision, dirty, states, fused_scalars)
 
     def _take_statefuls(self, step: int) -> dict[str, Any]:
         """The statefuls' state, checked when the save is decided so that one a checkpoint
@@ -313,9 +309,7 @@ class Saver:
     def _snapshot(
         self,
         step: int,
-        decision: Decision,
-        dirty: dict[View, float],
-        states: dict[str, Any],
+        decided: _Decided,
         started: float,
         clock: PhaseClock,
         transaction: SaveTransaction,
@@ -323,6 +317,7 @@ class Saver:
         """Stages what the checkpoint writes. Nothing here raises: an error is kept in the
         snapshot and reported on every rank by the persist (a rank that raised here alone would
         leave the others waiting in a collective)."""
+        decision, dirty = decided.decision, decided.dirty
         fraction = 1.0 if decision.kind is Kind.FULL else dirty[tracker_view(decision)]
         snapshot = Snapshot(
             step=step,
@@ -336,7 +331,7 @@ class Saver:
             restores=self.restores,
         )
         try:
-            pieces = self._stage_state(snapshot, states)
+            pieces = self._stage_state(snapshot, decided)
         except Exception as exc:
             snapshot.error = exc
             return snapshot
@@ -355,9 +350,9 @@ class Saver:
         snapshot.pending = pieces[-1]
         return snapshot
 
-    def _stage_state(self, snapshot: Snapshot, states: dict[str, Any]) -> list[list[Unit]]:
-        """Takes the tracker views, copies the dense and rank state (``states``: the statefuls'
-        as taken at the decision), and plans the pieces."""
+    def _stage_state(self, snapshot: Snapshot, decided: _Decided) -> list[list[Unit]]:
+        """Takes the tracker views, copies the dense and rank state (the statefuls' and the
+        counters as taken at the decision), and plans the pieces."""
         ctx, tracker = self.ctx, self.state.tracker
         decision = snapshot.decision
         selected = []
@@ -376,10 +371,10 @@ class Saver:
                         ctx.model,
                         ctx.optimizer,
                         ctx.sharded.table_keys,
-                        self._fused_scalars,
+                        decided.fused_scalars,
                     )
                 )
-            snapshot.rank = dense.detached_copy(dense.rank_state(states, ctx.sharded.mch))
+            snapshot.rank = dense.detached_copy(dense.rank_state(decided.states, ctx.sharded.mch))
         failpoints.hit("save.plan")
         budget = ctx.config.staging_budget_bytes
         units = plan_units(selected, ctx.config.max_file_rows, budget)
@@ -435,6 +430,16 @@ def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args
         future.set_result(fn(*args))
     except BaseException as exc:  # delivered through the future, raised on wait()/next save()
         future.set_exception(exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decided:
+    """What a save's decision hands its snapshot: the same on every rank but ``states``."""
+
+    decision: Decision
+    dirty: dict[View, float]
+    states: dict[str, Any]  # this rank's statefuls' state, checked
+    fused_scalars: dict[str, torch.Tensor]  # every rank's fused-optimizer counters
 
 
 _Scalar = tuple[str, tuple[int, ...], Any]
