@@ -44,7 +44,7 @@ import pyarrow.fs as pafs
 from embckpt.errors import DirectoryLockedError as DirectoryLockedError
 from embckpt.errors import LeaseLostError as LeaseLostError
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.layout import LOCK_NAME
+from embckpt.storage.layout import LOCK_NAME, TEMP_MARK, temp_name
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class DirectoryLock:
             if self._read() != owner:
                 raise DirectoryLockedError(f"{self.path}: another job took the lock at once")
             return
-        tmp = _durable_file(f"{self.path}.tmp-{owner['token']}", payload)
+        tmp = _durable_file(f"{self.path}{TEMP_MARK}{owner['token']}", payload)
         try:
             os.link(tmp, self.path)  # whole or absent; fails if a lock exists
         except FileExistsError:
@@ -208,7 +208,7 @@ class DirectoryLock:
             with self.fs.open_output_stream(self.path) as out:
                 out.write(payload)
             return
-        os.replace(_durable_file(f"{self.path}.tmp-{uuid.uuid4().hex}", payload), self.path)
+        os.replace(_durable_file(temp_name(self.path), payload), self.path)
 
     # -- acquire, renew, check, release -----------------------------------------------------------
     def _refusal(self, found: dict[str, object], me: dict[str, object]) -> str | None:
