@@ -7,24 +7,36 @@ rounds. Each round trains 2 more steps and times, on the same state:
 * saves, in an order rotating by round: our full save (``policy="full"``), our one-shot diff
   save (a second checkpointer whose base full was written before the rounds) and ``dcp.save``
   (same writer threads, fsync on);
+* then, untimed, a third checkpointer (``policy="incremental"``, ``full_every=6``) writes a
+  full and 5 incremental diffs, one training step apart;
 * restores into the live model, in an order rotating by round: our full checkpoint, our
-  chain (the base full and the round's diff) and ``dcp.load``.
+  chain (the base full and the round's diff), the full + 5 diffs (``ours_chain5_restore``)
+  and ``dcp.load``.
 
 Each operation starts after a barrier and ends when every rank is done; its time is the slowest
-rank's, its memory the largest rank's. Memory: ``peak_rss_bytes`` is, per operation, the peak
-resident memory (``VmRSS`` of ``/proc/self/status``, sampled every 5 ms by a thread) above the
-rank's resident memory after the first training steps, before any checkpointing (so buffers a
-checkpointer keeps between saves, such as its staging arena, count, and so does memory the
-allocators kept from earlier operations); ``peak_rss_over_start_bytes`` is the peak above the
-resident memory at the operation's start. A save is within budget when its peak stays within
-``staging_budget_bytes`` + 10% (``save_within_budget``, and ``..._over_start``). A size whose
+rank's, its memory the largest rank's. Times: ``<op>_s`` is the median over rounds,
+``best_s`` the fastest round, ``spread_s`` the distribution; ``vs_dcp`` divides our save by
+``dcp.save`` and our restores by ``dcp.load``, best by best and median by median.
+
+Memory is the peak resident memory (``VmRSS`` of ``/proc/self/status``, sampled every 5 ms by a
+thread) above the rank's resident memory after the first training steps, before any
+checkpointing (so buffers a checkpointer keeps between saves, such as its staging arena,
+count). ``peak_rss_over_baseline_bytes`` is measured first, in fresh processes with one
+checkpointer alone (2 rounds of a full save and its restore): the timed rounds' three
+checkpointers keep three arenas, and the allocators keep memory from DCP's operations, which
+``peak_rss_bytes`` (the same peak, per operation of the timed rounds) includes;
+``peak_rss_over_start_bytes`` is the peak there above the resident memory at the operation's
+start. A save is within budget when its peak stays within ``staging_budget_bytes`` + 10%
+(``save_within_budget``: alone; ``interleaved_save_within_budget``: in the timed rounds;
+``..._over_start``); ``staging_peak_bytes`` is the largest high-water mark of staged plus
+encoded bytes our full saves counted against that budget (``save/staging.py``). A size whose
 estimated memory does not fit the machine's available memory is skipped, with the reason
 recorded. Files go to ``--dir`` (default: a temporary folder), are read back from the page
 cache, and are deleted after each round.
 
 Writes ``benchmarks/results/scaling.json``.
 
-Run: ``.venv/bin/python benchmarks/scaling.py [--sizes 1M,4M,16M] [--repeats 3]``
+Run: ``.venv/bin/python benchmarks/scaling.py [--sizes 1M,4M,16M] [--repeats 5]``
 """
 
 from __future__ import annotations
@@ -60,7 +72,8 @@ TABLES = 4
 WORLD = 2
 WARMUP_STEPS = 3
 SAVES = ("ours_save", "ours_diff_save", "dcp_save")
-RESTORES = ("ours_restore", "ours_chain_restore", "dcp_load")
+RESTORES = ("ours_restore", "ours_chain_restore", "ours_chain5_restore", "dcp_load")
+CHAIN_DIFFS = 5
 BUDGET_SLACK = 1.10
 
 
@@ -131,6 +144,14 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         optimizer=optimizer,
         config=dataclasses.replace(cfg.checkpoint, policy="one_shot", full_every=0),
     )
+    chain5 = Checkpointer(
+        model,
+        f"{root}/chain5",
+        optimizer=optimizer,
+        config=dataclasses.replace(
+            cfg.checkpoint, policy="incremental", full_every=CHAIN_DIFFS + 1
+        ),
+    )
     step = WARMUP_STEPS
     base = chain.save(step).wait()  # the chain's base full, untimed
     assert base is not None and base.kind == "full"
@@ -138,6 +159,7 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
     peaks: dict[str, int] = dict.fromkeys(SAVES + RESTORES, 0)
     op_peaks: dict[str, int] = dict.fromkeys(SAVES + RESTORES, 0)
     bytes_written: dict[str, int] = {}
+    staging_peak = 0
     phases: dict[str, dict[str, float]] = {}  # the last round's, per save
 
     def timed(name: str, operation: Callable[[], Any]) -> None:
@@ -164,6 +186,13 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         }
         for name in SAVES[turn % 3 :] + SAVES[: turn % 3]:
             timed(name, saves[name])
+        staging_peak = max(staging_peak, full._saver.arena.peak_bytes)
+        chain5_steps = [step + i for i in range(CHAIN_DIFFS + 1)]
+        for at in chain5_steps:  # a full, then the diffs, one training step apart
+            if at != step:
+                work.step()
+            written = chain5.save(at).wait()
+            assert written is not None and written.kind == ("full" if at == step else "diff")
         if rank == 0:
             bytes_written = {
                 "ours_save": dir_bytes(full.store.step_path(step)),
@@ -173,18 +202,24 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         restores: dict[str, Callable[[], Any]] = {
             "ours_restore": lambda s=step: full.load(s),
             "ours_chain_restore": lambda s=step: chain.load(s),
+            "ours_chain5_restore": lambda s=chain5_steps[-1]: chain5.load(s),
             "dcp_load": lambda d=dcp_dir: dcp.load(dcp_state(model, optimizer), checkpoint_id=d),
         }
-        for name in RESTORES[turn % 3 :] + RESTORES[: turn % 3]:
+        turns = turn % len(RESTORES)
+        for name in RESTORES[turns:] + RESTORES[:turns]:
             timed(name, restores[name])
         dist.barrier()
         if rank == 0:  # keep the disk use of one round; the chain's base stays
             full.store.remove_step(step)
             chain.store.remove_step(step)
+            for at in chain5_steps:
+                chain5.store.remove_step(at)
             shutil.rmtree(dcp_dir)
         dist.barrier()
+        step = chain5_steps[-1]
     full.close()
     chain.close()
+    chain5.close()
     return {
         "seconds": seconds,
         "peaks": peaks,
@@ -192,7 +227,40 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         "bytes": bytes_written,
         "baseline": baseline,
         "phases": phases,
+        "staging_peak": staging_peak,
     }
+
+
+def _memory_worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int) -> dict:
+    """The memory of our saves and restores alone: one checkpointer in a fresh process, so
+    neither DCP nor the timed rounds' other checkpointers (each keeps a staging arena) add to
+    the resident memory it is measured against."""
+    import torch.distributed as dist
+
+    from embckpt import Checkpointer
+
+    work = build_workload(rank, world_size, cfg)
+    for _ in range(WARMUP_STEPS):
+        work.step()
+    baseline = PeakRss.rss()
+    peaks = {"ours_save": 0, "ours_restore": 0}
+    config = dataclasses.replace(cfg.checkpoint, policy="full", keep_last=1)
+    with Checkpointer(work.model, root, optimizer=work.optimizer, config=config) as ckpt:
+        step = WARMUP_STEPS
+        for _ in range(repeats):
+            for _ in range(2):
+                work.step()
+            step += 2
+            for name, operation in (
+                ("ours_save", lambda s=step: ckpt.save(s).wait()),
+                ("ours_restore", lambda s=step: ckpt.load(s)),
+            ):
+                dist.barrier()
+                with PeakRss() as memory:
+                    operation()
+                    dist.barrier()
+                peaks[name] = max(peaks[name], memory.peak - baseline)
+    return {"peaks": peaks}
 
 
 def _phases(pending: Any) -> dict[str, float]:
@@ -206,9 +274,11 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg = _config(rows, args.budget, args.threads)
     root = args.dir or tempfile.mkdtemp(prefix="embckpt-scaling-")
     try:
+        alone = run_ranks(_memory_worker, WORLD, cfg, f"{root}/alone", 2, timeout_s=args.timeout)
         results = run_ranks(_worker, WORLD, cfg, root, args.repeats, timeout_s=args.timeout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    alone_peaks = {name: max(r["peaks"][name] for r in alone) for name in alone[0]["peaks"]}
     # An operation is done when every rank is: each round's time is the slowest rank's.
     seconds = {
         name: [max(r["seconds"][name][i] for r in results) for i in range(args.repeats)]
@@ -218,11 +288,23 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     peaks = {name: max(r["peaks"][name] for r in results) for name in SAVES + RESTORES}
     op_peaks = {name: max(r["op_peaks"][name] for r in results) for name in SAVES + RESTORES}
     limit = args.budget * BUDGET_SLACK
+    versus = {"ours_save": "dcp_save", "ours_diff_save": "dcp_save"}
+    versus.update({name: "dcp_load" for name in RESTORES if name != "dcp_load"})
     entry: dict[str, Any] = {
         "rows": rows,
         "bytes": _table_bytes(rows),
         **{f"{name}_s": spreads[name]["median"] for name in SAVES + RESTORES},
+        "best_s": {name: spreads[name]["min"] for name in SAVES + RESTORES},
+        "vs_dcp": {
+            name: {
+                "best": spreads[name]["min"] / spreads[dcp]["min"],
+                "median": spreads[name]["median"] / spreads[dcp]["median"],
+            }
+            for name, dcp in versus.items()
+        },
+        "peak_rss_over_baseline_bytes": alone_peaks,
         "peak_rss_bytes": peaks,
+        "staging_peak_bytes": max(r["staging_peak"] for r in results),
         "peak_rss_over_start_bytes": op_peaks,
         "spread_s": spreads,
         "files_bytes": results[0]["bytes"],
@@ -231,7 +313,12 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         "save_vs_dcp": spreads["ours_save"]["median"] / spreads["dcp_save"]["median"],
         "diff_save_vs_dcp": spreads["ours_diff_save"]["median"] / spreads["dcp_save"]["median"],
         "restore_vs_dcp": spreads["ours_restore"]["median"] / spreads["dcp_load"]["median"],
-        "save_within_budget": all(peaks[n] <= limit for n in ("ours_save", "ours_diff_save")),
+        "chain5_restore_vs_dcp": spreads["ours_chain5_restore"]["median"]
+        / spreads["dcp_load"]["median"],
+        "save_within_budget": alone_peaks["ours_save"] <= limit,
+        "interleaved_save_within_budget": all(
+            peaks[n] <= limit for n in ("ours_save", "ours_diff_save")
+        ),
         "save_within_budget_over_start": all(
             op_peaks[n] <= limit for n in ("ours_save", "ours_diff_save")
         ),
@@ -242,7 +329,7 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1M,4M,16M", help="rows in all, e.g. 1M,4M,16M")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per size")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per size")
     parser.add_argument(
         "--budget", type=int, default=1 << 30, help="staging_budget_bytes of our saves"
     )
@@ -266,11 +353,16 @@ def main() -> None:
             continue
         entry = _measure(rows, args)
         results.append(entry)
+        best, peak = entry["best_s"], entry["peak_rss_over_baseline_bytes"]
         print(
-            f"{rows:>10} rows: save {entry['ours_save_s']:.2f} s (dcp {entry['dcp_save_s']:.2f}), "
+            f"{rows:>10} rows: save {entry['ours_save_s']:.2f} s best {best['ours_save']:.2f} "
+            f"(dcp {entry['dcp_save_s']:.2f} best {best['dcp_save']:.2f}), "
             f"diff {entry['ours_diff_save_s']:.2f} s, restore {entry['ours_restore_s']:.2f} s "
-            f"(dcp {entry['dcp_load_s']:.2f}), save peak "
-            f"{entry['peak_rss_bytes']['ours_save'] / 2**20:.0f} MiB"
+            f"best {best['ours_restore']:.2f}, full+5 {entry['ours_chain5_restore_s']:.2f} s "
+            f"best {best['ours_chain5_restore']:.2f} (dcp {entry['dcp_load_s']:.2f} best "
+            f"{best['dcp_load']:.2f}); peak over baseline: save "
+            f"{peak['ours_save'] / 2**20:.0f} MiB, restore {peak['ours_restore'] / 2**20:.0f} "
+            f"MiB, staging {entry['staging_peak_bytes'] / 2**20:.0f} MiB"
         )
     path = write_result(
         "scaling",

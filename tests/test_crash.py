@@ -15,6 +15,7 @@ from embckpt import failpoints
 from embckpt.examples.launcher import RankFailed, run_ranks
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
+from embckpt.storage.sink import ChecksumSink, StreamedFile
 
 SAVE_EVERY = 3
 STEPS = 18
@@ -23,6 +24,26 @@ POINTS = ("stage", "mid_file", "mid_packed", "between_files", "before_manifest",
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _DyingFile(StreamedFile):
+    """A streamed file that kills this process once part of it (the magic and more) has gone
+    into the file: the store's own temporary file is left half written."""
+
+    def __init__(self, inner: StreamedFile) -> None:
+        self.inner = inner
+
+    def produce(self, sink: ChecksumSink) -> None:
+        write = sink.write
+
+        def dying(data):
+            written = write(data)
+            if sink.tell() > 4:
+                _die()
+            return written
+
+        sink.write = dying  # type: ignore[method-assign]
+        self.inner.produce(sink)
 
 
 def _arm(ckpt, point: str, nth: int) -> None:
@@ -52,6 +73,8 @@ def _arm(ckpt, point: str, nth: int) -> None:
             is_manifest = path.endswith(MANIFEST_NAME)
             counted = "/packed/" in path if point == "mid_packed" else not is_manifest
             if point in ("mid_file", "mid_packed") and counted and hit():
+                if isinstance(data, StreamedFile):  # dies with the file half streamed
+                    write_atomic(path, _DyingFile(data), **timing)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(f"{path}.tmp-killed", "wb") as out:
                     out.write(memoryview(data)[: len(memoryview(data)) // 2])

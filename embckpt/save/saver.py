@@ -53,7 +53,7 @@ from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
 from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
 from embckpt.save.snapshot import Stager, Unit, plan_pieces, plan_units
-from embckpt.save.staging import StagingArena
+from embckpt.save.staging import StagingArena, split_budget
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
 from embckpt.storage.layout import MANIFEST_NAME
@@ -89,9 +89,10 @@ class Saver:
         self.follow_expected_restores()  # a codec without bits fails here, not at a save
         shards = context.sharded.shards
         device = shards[0].weight.device if shards else torch.device("cpu")
+        self.arena = StagingArena(context.config.staging_budget_bytes, device)
+        writer.staging = self.arena  # encoded buffers count against the same budget
         self._stage_piece = Stager(
-            StagingArena(context.config.staging_budget_bytes, device),
-            torch.cuda.Stream(device) if device.type == "cuda" else None,
+            self.arena, torch.cuda.Stream(device) if device.type == "cuda" else None
         )
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "embckpt-persist")
         self._inflight: PendingCheckpoint | None = None
@@ -130,6 +131,7 @@ class Saver:
         """See ``Checkpointer.save``."""
         started = time.perf_counter()
         self.finish_inflight()
+        self.arena.reset_peak()
         self.follow_expected_restores()
         transaction = SaveTransaction(step, self.state)
         try:
@@ -376,9 +378,9 @@ class Saver:
                 )
             snapshot.rank = dense.detached_copy(dense.rank_state(decided.states, ctx.sharded.mch))
         failpoints.hit("save.plan")
-        budget = ctx.config.staging_budget_bytes
-        units = plan_units(selected, ctx.config.max_file_rows, budget)
-        return plan_pieces(units, budget)
+        arena, unit = split_budget(ctx.config.staging_budget_bytes, ctx.config.io_threads)
+        units = plan_units(selected, ctx.config.max_file_rows, arena, unit)
+        return plan_pieces(units, arena)
 
     def _release_guard(self) -> None:
         if self._guard is not None:

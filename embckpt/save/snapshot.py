@@ -19,6 +19,7 @@ from embckpt.save.staging import StagingArena
 from embckpt.sharding import TableShard
 
 _ALIGN_SLACK = 64  # bytes the arena may pad each staged tensor with
+_ROW_COLUMNS_BYTES = 16  # a row's id (int64) and its table and column dictionary indices (int32)
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,15 @@ class StagedUnit:
 
 
 def plan_units(
-    shards_rows: list[tuple[TableShard, torch.Tensor, bool]], max_rows: int, budget_bytes: int
+    shards_rows: list[tuple[TableShard, torch.Tensor, bool]],
+    max_rows: int,
+    budget_bytes: int,
+    unit_bytes: int | None = None,
 ) -> list[Unit]:
     """Cuts each block's selected rows into units of at most ``max_rows`` rows, each small
-    enough to stage within ``budget_bytes``."""
+    enough to stage within ``budget_bytes`` and, with ``unit_bytes``, to stage and encode
+    within it (a row's staged bytes and its row id and dictionary indices, at least one row:
+    ``staging.split_budget``)."""
     units = []
     for shard, rows, contiguous in shards_rows:
         probe = Unit(shard, 0, rows[:1], contiguous)
@@ -74,6 +80,8 @@ def plan_units(
             raise ValueError(
                 f"staging budget of {budget_bytes} bytes cannot hold one row of {shard.table}"
             )
+        if unit_bytes is not None:
+            fitting = min(fitting, max(unit_bytes // (per_row + _ROW_COLUMNS_BYTES), 1))
         chunk = int(min(max_rows, fitting))
         for part, lo in enumerate(range(0, int(rows.numel()), chunk)):
             units.append(Unit(shard, part, rows[lo : lo + chunk], contiguous))

@@ -5,15 +5,33 @@ same memory instead of allocating per checkpoint, and staging can never exceed t
 checkpoint larger than the budget is staged and persisted in pieces. Where the model lives on a
 GPU, the arena is GPU memory when there is room for it (copies stay on the device), else pinned
 host memory that a side stream copies into without blocking the training stream.
+
+The budget also covers what encoding a piece allocates besides the arena (codec output, row
+ids: the columns of the files being written): :func:`split_budget` keeps a share of it for
+them and caps each file's rows so that the files written at once fit that share, and the arena
+counts what the writer holds (:meth:`StagingArena.hold`) so that ``peak_bytes`` is the save's
+high-water mark of staged plus encoded bytes.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
 _ALIGN = 64  # bytes: every view starts on a cache line
+ENCODED_SHARE = 8
+"""One part in this many of the staging budget is kept for encoded buffers (see module doc)."""
+
+
+def split_budget(budget_bytes: int, threads: int) -> tuple[int, int]:
+    """The staging budget's two shares: the most the arena may hold, and the most bytes a unit
+    (one file's rows) may stage, so that ``threads`` units encoded at once fit the rest. A
+    unit's encoded columns are taken to be at most its staged bytes (and its row ids, counted
+    by the caller): a lossless codec's payload is a view of the arena, a lossy one's smaller."""
+    reserve = budget_bytes // ENCODED_SHARE
+    return budget_bytes - reserve, max(reserve // max(threads, 1), 1)
 
 
 class StagingArena:
@@ -32,6 +50,32 @@ class StagingArena:
         self.model_device = device
         self._buffer: torch.Tensor | None = None
         self._used = 0
+        self._lock = threading.Lock()
+        self.held_bytes = 0  # encoded buffers of files being written (hold/release)
+        self.peak_bytes = 0  # the most capacity + held_bytes reached since reset_peak()
+
+    def hold(self, nbytes: int) -> None:
+        """Counts ``nbytes`` of encoded buffers as held until :meth:`release`."""
+        with self._lock:
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.capacity + self.held_bytes)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        """Starts a new high-water mark, at a save's start (when no file is being written)."""
+        with self._lock:
+            self.held_bytes = 0
+            self.peak_bytes = self.capacity
+
+    def owns(self, address: int) -> bool:
+        """Whether ``address`` lies in the arena's buffer (a view the codec did not copy)."""
+        if self._buffer is None or self._buffer.device.type != "cpu":
+            return False
+        start = self._buffer.data_ptr()
+        return start <= address < start + self.capacity
 
     @staticmethod
     def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -56,6 +100,7 @@ class StagingArena:
             return
         self._buffer = None  # free the old buffer before allocating the larger one
         self._buffer = self._allocate(nbytes)
+        self.hold(0)  # the high-water mark follows the new capacity
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.model_device.type == "cuda":

@@ -1,13 +1,17 @@
 """Row files: staged units encoded and written as Parquet, several at a time.
 
 Encoding (the codec, pyarrow), hashing and file I/O release the GIL, so a small thread pool
-encodes units and writes files in parallel: one file per large block, small blocks packed
-into shared files (``pack_below_bytes``). Additive codecs (``delta``, ``exponent``) encode
-against the writer's :class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go
-through the whole-row codec (``delta``'s inner one, or the base codec for ``exponent``) and
-rebuild it, incremental diffs add their decoded deltas to it, one-shot diffs leave it at the
-base. A diff's changes to it go to the save's :class:`WriteEdits`, applied only once the
-checkpoint commits.
+encodes units and writes files in parallel: one file per large block, written by the thread
+that encoded it as soon as it is encoded, so a unit's encoded columns live only while its file
+streams into the store (``storage/sink.py``); small blocks are packed into shared files
+(``pack_below_bytes``) once every unit of the piece is encoded. What the columns hold beyond
+views of the staging arena is counted against the staging budget (``save/staging.py``).
+
+Additive codecs (``delta``, ``exponent``) encode against the writer's
+:class:`~embckpt.save.reference.ReconstructedRows`: full checkpoints go through the whole-row
+codec (``delta``'s inner one, or the base codec for ``exponent``) and rebuild it, incremental
+diffs add their decoded deltas to it, one-shot diffs leave it at the base. A diff's changes to
+it go to the save's :class:`WriteEdits`, applied only once the checkpoint commits.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from embckpt import failpoints
@@ -27,17 +32,16 @@ from embckpt.policy import Decision, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
 from embckpt.save.snapshot import StagedUnit
+from embckpt.save.staging import StagingArena
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import packed_rows_file, rows_file
 from embckpt.storage.manifest import FileEntry, FileIndex
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.rowfile_write import (
     BlockColumns,
+    RowsFile,
     block_columns,
     block_indexes,
-    encode_block,
-    encode_packed,
-    index_file,
     row_state_columns,
 )
 
@@ -82,6 +86,7 @@ class _Block:
     part: _Part
     columns: BlockColumns
     rows: int
+    held: int  # bytes of its columns outside the staging arena (counted while held)
 
 
 class RowFileWriter:
@@ -125,6 +130,7 @@ class RowFileWriter:
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
         self._packs: dict[int, int] = {}  # step -> packed files written so far
         self._packs_lock = threading.Lock()
+        self.staging: StagingArena | None = None  # set by the saver: counts encoded buffers
 
     def write(
         self,
@@ -137,25 +143,69 @@ class RowFileWriter:
     ) -> list[FileEntry]:
         """Encodes with ``codec`` and writes every unit of ``staged`` as files of ``step``
         (small blocks packed together, see the class doc); ``clock`` gets the save's
-        ``encode``, ``hash``, ``write`` and ``fsync`` time."""
-        encoded = self._io.map(
-            lambda unit: self._timed_encode(unit, decision, codec, edits, clock), staged
+        ``encode``, ``hash``, ``write`` and ``fsync`` time. Returns once every file started is
+        done, raising the first failure."""
+
+        def encode_and_write(unit: StagedUnit) -> tuple[list[FileEntry], list[_Block]]:
+            blocks = self._timed_encode(unit, decision, codec, edits, clock)
+            entries: list[FileEntry] = []
+            small = []
+            try:
+                for block in blocks:
+                    if block.columns.nbytes < self.pack_below_bytes:
+                        small.append(block)
+                        continue
+                    entries.extend(self._timed_write(step, [block], None, clock))
+                    self._release([block])
+            except BaseException:
+                self._release(blocks)
+                raise
+            return entries, small
+
+        done = self._all(encode_and_write, staged)
+        small = [block for _, blocks in done for block in blocks]
+        try:
+            written = self._all(
+                lambda file: self._timed_write(step, file[0], file[1], clock),
+                self._files(small, step),
+            )
+        finally:
+            self._release(small)
+        return [e for entries, _ in done for e in entries] + [e for w in written for e in w]
+
+    def _all(self, task: Any, items: list[Any]) -> list[Any]:
+        """``task`` of every item on the pool; waits for all of them (a failed save must not
+        leave a thread writing into the step folder it deletes), then raises the first error."""
+        futures = [self._io.submit(task, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [future.result() for future in futures]
+
+    def _release(self, blocks: list[_Block]) -> None:
+        if self.staging is not None:
+            self.staging.release(sum(b.held for b in blocks))
+
+    def _held(self, columns: BlockColumns) -> int:
+        """Bytes of ``columns`` outside the staging arena (counted against its budget)."""
+        if self.staging is None:
+            return 0
+        arena = self.staging
+        held = sum(
+            buf.size
+            for column in columns.table.columns
+            for chunk in column.chunks
+            for buf in _buffers(chunk)
+            if not arena.owns(buf.address)
         )
-        files = self._files([block for blocks in encoded for block in blocks], step)
-        written = self._io.map(lambda file: self._timed_write(step, file[0], file[1], clock), files)
-        return [entry for entries in written for entry in entries]
+        arena.hold(held)
+        return held
 
     def _files(self, blocks: list[_Block], step: int) -> list[tuple[list[_Block], str | None]]:
-        """The files to write: each large block alone (named by its block), the small ones
-        packed by schema (a packed file's name; a pack of one block is written alone)."""
-        alone: list[list[_Block]] = []
+        """The packed files to write: the small blocks by schema (a packed file's name; a
+        pack of one block is written alone, named by its block)."""
         packs: dict[Any, list[list[_Block]]] = {}
         filled: dict[Any, int] = {}  # bytes in each schema's last run
         for block in blocks:
             size = block.columns.nbytes
-            if size >= self.pack_below_bytes:
-                alone.append([block])
-                continue
             key = block.columns.schema_key
             runs = packs.setdefault(key, [[]])
             if runs[-1] and filled[key] + size > PACKED_FILE_BYTES:
@@ -163,7 +213,7 @@ class RowFileWriter:
                 filled[key] = 0
             runs[-1].append(block)
             filled[key] = filled.get(key, 0) + size
-        files: list[tuple[list[_Block], str | None]] = [(file, None) for file in alone]
+        files: list[tuple[list[_Block], str | None]] = []
         for runs in packs.values():
             for run in runs:
                 files.append((run, self._packed_name(step) if len(run) > 1 else None))
@@ -282,29 +332,28 @@ class RowFileWriter:
             )
         if capture is not None:
             capture.add(self._captured(unit, part, local_rows, row_columns, elem_columns))
-        return _Block(unit, part, columns, len(global_rows))
+        return _Block(unit, part, columns, len(global_rows), self._held(columns))
 
     def _write(
         self, step: int, blocks: list[_Block], packed: str | None, clock: PhaseClock
     ) -> list[FileEntry]:
         """Writes one file: a block alone (``packed`` None) or several packed under the name
         ``packed``; returns the manifest entry of each block."""
-        with clock.time("encode"):
-            if packed is None:
-                (block,) = blocks
-                data = encode_block(block.columns, self.row_group_rows)
-            else:
-                data = encode_packed([b.columns for b in blocks], self.row_group_rows)
-        index = index_file(data)  # one CRC32C pass: row groups, footer, whole file
+        # Parquet encoding streams into the file: the time the sink does not count as its
+        # write or its CRC (hash) is the encoding's.
+        data = RowsFile([b.columns for b in blocks], self.row_group_rows, packed is not None)
         if packed is None:
             unit, part = blocks[0].unit.unit, blocks[0].part
             shard = unit.shard
             name = rows_file(shard.table, shard.row_offset, shard.col_offset, unit.part, part.whole)
-            indexes: list[FileIndex] = [index]
         else:
             name = packed
-            indexes = block_indexes(index, [b.rows for b in blocks])
-        written = self.store.write_file(step, name, data, index.file_checksum, clock=clock)
+        with clock.time("encode"):
+            written = self.store.write_file(step, name, data, clock=clock)
+        assert data.index is not None  # set by the complete write
+        indexes: list[FileIndex] = (
+            [data.index] if packed is None else block_indexes(data.index, [b.rows for b in blocks])
+        )
         return [
             FileEntry(
                 path=written.path,
@@ -353,3 +402,10 @@ class RowFileWriter:
 def _decoded(codec: Codec, encoded: EncodedRows, cols: int, wanted: bool) -> torch.Tensor | None:
     """The rows ``encoded`` restores to, when the caller captures them."""
     return codec.decode(encoded, cols).float() if wanted else None
+
+
+def _buffers(array: pa.Array) -> list[pa.Buffer]:
+    """The memory of an Arrow array: its buffers, a dictionary array's indices and values."""
+    if isinstance(array, pa.DictionaryArray):
+        return _buffers(array.indices) + _buffers(array.dictionary)
+    return [buf for buf in array.buffers() if buf is not None]

@@ -4,6 +4,8 @@ Layout: ``<root>/step_<step:012d>/`` holds one checkpoint; it is committed if an
 ``MANIFEST.json`` exists. Files are written whole (temporary name, fsync, rename on local disks;
 a single PUT on object stores, where an object appears atomically), so a reader never sees half
 of a file under its final name; a write failing with a transient error is tried again whole.
+A rows file is streamed (``storage/sink.py``): on local disks its bytes go into the temporary
+file as the Parquet writer produces them; an object store's PUT sends the file buffered whole.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_o
 from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.paths import path_problem
 from embckpt.storage.phases import PhaseClock, timed
+from embckpt.storage.sink import ChecksumSink, StreamedFile
 
 if TYPE_CHECKING:
     from embckpt.storage.rowfile_read import CheckedFile
@@ -187,7 +190,7 @@ class CheckpointStore:
         self,
         step: int,
         relative: str,
-        data: pa.Buffer | bytes,
+        data: pa.Buffer | bytes | StreamedFile,
         checksum: str | None = None,
         *,
         clock: PhaseClock | None = None,
@@ -195,8 +198,9 @@ class CheckpointStore:
         """Writes one whole file of a step folder and returns its size and checksum.
 
         Args:
-            checksum: the file's checksum if the caller already has it (a rows file's is
-                combined from its row groups' CRCs, see ``rowfile_write.index_file``), so each
+            data: the bytes, or a :class:`StreamedFile` that produces them into the file,
+                checksummed on the way (its ``checksum`` is the one recorded).
+            checksum: the file's checksum if the caller already has it (bytes only), so each
                 byte is read once; computed here otherwise.
             clock: a save's clock, which gets the ``write`` and ``fsync`` time.
 
@@ -208,17 +212,24 @@ class CheckpointStore:
         problem = path_problem(relative)
         if problem is not None:
             raise ValueError(f"{self.step_path(step, relative)}: {problem}")
+        if isinstance(data, StreamedFile):
+            self.write_atomic(self.step_path(step, relative), data, clock=clock)
+            return WrittenFile(path=relative, bytes=data.size, checksum=data.checksum)
         if checksum is None:
             checksum = checksums.checksum(data)
         self.write_atomic(self.step_path(step, relative), data, clock=clock)
         return WrittenFile(path=relative, bytes=len(memoryview(data)), checksum=checksum)
 
     def write_atomic(
-        self, path: str, data: pa.Buffer | bytes, *, clock: PhaseClock | None = None
+        self,
+        path: str,
+        data: pa.Buffer | bytes | StreamedFile,
+        *,
+        clock: PhaseClock | None = None,
     ) -> None:
         """Writes ``path`` so that it appears whole or not at all, trying the whole write again
-        after a transient error (``write_retries``, ``retry_backoff_s``); ``clock`` gets the
-        ``write`` and ``fsync`` time.
+        after a transient error (``write_retries``, ``retry_backoff_s``; a :class:`StreamedFile`
+        is produced again from its start); ``clock`` gets the ``write`` and ``fsync`` time.
 
         Raises:
             OSError: the last attempt's error, unchanged; or the first one that a retry cannot
@@ -243,22 +254,36 @@ class CheckpointStore:
                 )
                 time.sleep(wait)
 
-    def _write_object(self, path: str, data: pa.Buffer | bytes, clock: PhaseClock | None) -> None:
-        # Object stores publish an object only when its upload completes: no rename needed.
+    def _write_object(
+        self, path: str, data: pa.Buffer | bytes | StreamedFile, clock: PhaseClock | None
+    ) -> None:
+        # Object stores publish an object only when its upload completes: no rename needed. A
+        # streamed file is buffered whole first: a stream failing half-way must publish nothing,
+        # and pyarrow's output streams complete the upload when closed, whatever happened.
+        if isinstance(data, StreamedFile):
+            buffer = pa.BufferOutputStream()
+            data.write_to(ChecksumSink(buffer.write))
+            data = buffer.getvalue()
         with timed(clock, "write"):
             self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             with self.fs.open_output_stream(path) as out:
                 out.write(data)
 
-    def _write_local(self, path: str, data: pa.Buffer | bytes, clock: PhaseClock | None) -> None:
-        """Temporary file, fsync, rename; a failed attempt's temporary file is removed."""
+    def _write_local(
+        self, path: str, data: pa.Buffer | bytes | StreamedFile, clock: PhaseClock | None
+    ) -> None:
+        """Temporary file, fsync, rename; a failed attempt's temporary file is removed (one a
+        crash leaves behind is never read: ``clean_leftovers`` deletes it)."""
         parent = path.rsplit("/", 1)[0]
         os.makedirs(parent, exist_ok=True)
         tmp = temp_name(path)
         try:
             with open(tmp, "wb") as out:
-                with timed(clock, "write"):
-                    out.write(memoryview(data))
+                if isinstance(data, StreamedFile):
+                    data.write_to(ChecksumSink(out.write, clock))
+                else:
+                    with timed(clock, "write"):
+                        out.write(memoryview(data))
                 if self.fsync:
                     with timed(clock, "fsync"):
                         out.flush()

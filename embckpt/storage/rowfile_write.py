@@ -1,6 +1,7 @@
 """Writing rows files (the format: ``rowfile.py``): encode a block's rows into one Parquet
-file in memory, or several small blocks into one packed file, and index its row groups for
-partial reads."""
+file, or several small blocks into one packed file, and index its row groups for partial reads.
+A save streams each file into its destination (:class:`RowsFile`), indexing it on the way;
+:func:`encode_file` builds one in memory (merges, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from embckpt.storage.rowfile import (
     STATE_PREFIX,
     TABLE_COLUMN,
 )
+from embckpt.storage.sink import ChecksumSink, StreamedFile
 
 if TYPE_CHECKING:
     import torch
@@ -163,14 +165,15 @@ def encode_packed(blocks: Sequence[BlockColumns], row_group_rows: int) -> pa.Buf
     return _write(blocks, {BLOCKS_KEY: [b.header for b in blocks]}, row_group_rows)
 
 
-def _write(
-    blocks: Sequence[BlockColumns], header: Mapping[str, Any], row_group_rows: int
-) -> pa.Buffer:
-    first = blocks[0]
-    schema = first.table.schema.with_metadata({HEADER_KEY: json.dumps(header).encode()})
-    compression = {_leaf(n, schema.field(n).type): c for n, c in first.compression.items()}
+def _header_schema(blocks: Sequence[BlockColumns], header: Mapping[str, Any]) -> pa.Schema:
+    return blocks[0].table.schema.with_metadata({HEADER_KEY: json.dumps(header).encode()})
+
+
+def _options(block: BlockColumns, schema: pa.Schema) -> dict[str, Any]:
+    """The ParquetWriter settings of a rows file (its compression and encodings by column)."""
+    compression = {_leaf(n, schema.field(n).type): c for n, c in block.compression.items()}
     dictionary = [TABLE_COLUMN, COL_COLUMN]
-    options: dict[str, Any] = {
+    return {
         "compression": compression,
         "use_dictionary": dictionary,
         "write_statistics": [ROW_COLUMN, TABLE_COLUMN],
@@ -180,6 +183,13 @@ def _write(
             if f.name not in dictionary
         },
     }
+
+
+def _write(
+    blocks: Sequence[BlockColumns], header: Mapping[str, Any], row_group_rows: int
+) -> pa.Buffer:
+    schema = _header_schema(blocks, header)
+    options = _options(blocks[0], schema)
 
     def write(sink: Any) -> None:
         with pq.ParquetWriter(sink, schema, **options) as out:
@@ -199,6 +209,85 @@ def _write(
         write(grown)
         return grown.getvalue()
     return buffer.slice(0, sink.tell())
+
+
+class RowsFile(StreamedFile):
+    """The rows file of one block (``packed`` False) or a packed file of several (equal
+    ``schema_key``, each in row groups of its own), written straight into its destination.
+
+    The bytes are those :func:`encode_block` and :func:`encode_packed` build in memory; the
+    index (``index``, set by a complete write) is the one :func:`index_file` reads back from
+    them, computed as the file streams: the sink cuts a segment after the magic, after each
+    row group (one ``write_table`` call each, which the writer flushes whole) and at the end,
+    and each cut is checked against the row-group ranges the footer records.
+    """
+
+    def __init__(
+        self, blocks: Sequence[BlockColumns], row_group_rows: int, packed: bool = False
+    ) -> None:
+        if not blocks or (packed and len({b.schema_key for b in blocks}) != 1):
+            raise ValueError("a packed file needs blocks of one schema")
+        if not packed and len(blocks) != 1:
+            raise ValueError("an unpacked rows file holds one block")
+        self.blocks = list(blocks)
+        self.row_group_rows = row_group_rows
+        self.header = {BLOCKS_KEY: [b.header for b in blocks]} if packed else blocks[0].header
+        self.index: FileIndex | None = None
+
+    def produce(self, sink: ChecksumSink) -> None:
+        self.index = None
+        schema = _header_schema(self.blocks, self.header)
+        writer = pq.ParquetWriter(sink, schema, **_options(self.blocks[0], schema))
+        cuts = []
+        try:
+            _, magic, _ = sink.cut()
+            if magic != len(MAGIC):
+                raise ValueError(f"the Parquet writer began with {magic} bytes, not its magic")
+            step = self.row_group_rows
+            for block in self.blocks:
+                for start in range(0, max(block.table.num_rows, 1), step):
+                    writer.write_table(block.table.slice(start, step), row_group_size=step)
+                    cuts.append(sink.cut())
+        finally:
+            writer.close()
+        footer_offset, _, footer_crc = sink.cut()
+        metadata = writer.writer.metadata
+        self.index = FileIndex(
+            file_checksum=sink.checksum,
+            footer_offset=footer_offset,
+            footer_checksum=checksums.tag(footer_crc),
+            row_groups=_streamed_groups(metadata, [c for c in cuts if c[1]]),
+        )
+
+
+def _streamed_groups(
+    metadata: pq.FileMetaData, cuts: Sequence[tuple[int, int, int]]
+) -> tuple[RowGroupEntry, ...]:
+    """The index entries of a streamed file's row groups: their ranges and CRCs as cut while
+    streaming, checked against the ranges and taken with the row-id bounds the footer
+    records."""
+    if metadata.num_row_groups != len(cuts):
+        raise ValueError(f"{metadata.num_row_groups} row groups, {len(cuts)} streamed")
+    groups = []
+    start = len(MAGIC)
+    for i, (offset, length, crc) in enumerate(cuts):
+        group = metadata.row_group(i)
+        end = max(_chunk_end(group.column(j)) for j in range(group.num_columns))
+        if (offset, offset + length) != (start, end):
+            raise ValueError(f"row group {i} streamed as bytes {offset}+{length}, not {start}+")
+        stats = group.column(_column_index(metadata, ROW_COLUMN)).statistics
+        groups.append(
+            RowGroupEntry(
+                first_row=int(stats.min),
+                last_row=int(stats.max),
+                rows=group.num_rows,
+                offset=start,
+                length=length,
+                checksum=checksums.tag(crc),
+            )
+        )
+        start = end
+    return tuple(groups)
 
 
 def block_indexes(index: FileIndex, rows: Sequence[int]) -> list[FileIndex]:
