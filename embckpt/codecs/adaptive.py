@@ -42,6 +42,7 @@ import torch
 
 from embckpt.codecs.base import register
 from embckpt.codecs.common import DEFAULT_ENTROPY
+from embckpt.codecs.packing import packed_width
 from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, use_kernels
 from embckpt.errors import ConfigError
 
@@ -87,9 +88,43 @@ class AdaptiveCodec(AsymmetricCodec):
     def _options(self) -> dict[str, Any]:
         return {**super()._options(), "n_bins": self.n_bins, "ratio": self.ratio}
 
+    def _steps(self) -> int:
+        return math.floor(self.n_bins * self.ratio + 1e-9)
+
+    def _plan_fused(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+        """On CPU rows, one compiled pass: each tile of rows is searched, then quantized while
+        it is still in L1, on the assumption (true of trained tables) that fp16 parameters
+        hold the batch; where that turns out wrong, or a row is not finite, the fused rows
+        are dropped and the search runs as :meth:`_ranges` would have (same ranges)."""
+        if (
+            not use_kernels(x)
+            or self._steps() < 2
+            or x.shape[0] == 0
+            or self.param_dtype == "float32"
+        ):
+            return super()._plan_fused(x)
+        from embckpt.codecs import kernels
+
+        n, cols = x.shape
+        lo, hi, xmin, xmax = (np.empty(n, dtype=np.float32) for _ in range(4))
+        fused = np.empty((n, packed_width(cols, self.bits) + 4), dtype=np.uint8)
+        finite = kernels.search_rows(
+            x.numpy(), self.bits, self.n_bins, self._steps(), True, lo, hi, xmin, xmax, True, fused
+        )
+        if not finite or (
+            self.param_dtype == "auto"
+            and not half_params_fit(torch.from_numpy(xmin), torch.from_numpy(xmax), self.bits)
+        ):
+            return super()._plan_fused(x)
+        lo_t, hi_t = torch.from_numpy(lo), torch.from_numpy(hi)
+        half = self._half(half_params_fit(lo_t, hi_t, self.bits))
+        return lo_t, hi_t, half, torch.from_numpy(fused) if half else None
+
     def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xmin, xmax = x.amin(dim=1), x.amax(dim=1)
-        steps = math.floor(self.n_bins * self.ratio + 1e-9)
+        steps = self._steps()
         if steps < 2 or x.shape[0] == 0 or not bool(torch.isfinite(xmin).all()):
             # Under two steps the walk never meets a local optimum but the full range; NaN
             # and infinities are reported by encode().
@@ -100,9 +135,22 @@ class AdaptiveCodec(AsymmetricCodec):
         if use_kernels(x):
             from embckpt.codecs import kernels
 
-            lo_np = np.empty(x.shape[0], dtype=np.float32)
-            hi_np = np.empty(x.shape[0], dtype=np.float32)
-            kernels.greedy_ranges(x.numpy(), self.bits, self.n_bins, steps, half, lo_np, hi_np)
+            n = x.shape[0]
+            lo_np, hi_np, xmin_np, xmax_np = (np.empty(n, dtype=np.float32) for _ in range(4))
+            none = np.empty((0, 0), dtype=np.uint8)
+            kernels.search_rows(
+                x.numpy(),
+                self.bits,
+                self.n_bins,
+                steps,
+                half,
+                lo_np,
+                hi_np,
+                xmin_np,
+                xmax_np,
+                False,
+                none,
+            )
             return torch.from_numpy(lo_np), torch.from_numpy(hi_np)
         lo, hi = torch.empty_like(xmin), torch.empty_like(xmax)
         for start in range(0, x.shape[0], _CHUNK_ROWS):
