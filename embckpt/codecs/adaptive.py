@@ -17,19 +17,19 @@ steps) or caffe2's (200, 0.16: 32 steps) recovers, at a third of the cost or les
 asymmetric: 0.75, 0.87, 0.92, 0.95 at 2, 3, 4, 8 bits).
 
 Cost: each step scores two ranges exactly, so encoding quantizes every row about 11 times.
-On CPU tensors the walk runs in a compiled per-row kernel (kernels.greedy_ranges): the row stays
-in L1 while its ~11 ranges are scored (the scores' sums vectorised, in another order than
-torch's; the chosen ranges matched the torch path's on all but ~1e-5 of trained rows, and no
-row's error grew by more than 0.1%: tests/test_codecs.py). Measured on 65536 trained 64-dim rows
-(``benchmarks/codecs.py --quick``, thread CPU time, a 2-core machine shared with other work):
-about 0.45-0.6 GB/s of fp32 rows per core for the whole encode, from 0.11-0.14 with the torch
-walk; the kernel itself about 0.75-0.9 GB/s, ~12-15 ns per scored range with the rest spent
-on each step's fp16 rounding and two divisions per range, which depend on the previous step's
-choice. 1 GB/s would need fewer scored ranges: four steps with retuned ``n_bins`` (9 ranges)
-stayed within 0.2-0.9% of this search's error and would gain ~20%, not enough to pay for the
-changed defaults. On other devices the walk runs vectorised over the batch in torch, in
-cache-sized chunks; the only Python loop is over the walk's steps (scoring one range costs about
-6 passes over the rows there, ~0.25-0.5 ms per MB on this CPU).
+On CPU tensors one compiled pass (kernels.search_rows) takes a tile of rows at a time: their
+min and max (integer reductions), the walk in lockstep (each step: every row's candidate
+scales, the rows' sums of squares, every row's choice without a branch), then the tile
+quantized and packed while it is still in L1. The ranges are exactly those of the row-by-row
+walk it replaced (tests/test_codecs.py); the sums of squares run in another order than
+torch's, so the torch path's ranges differ on ~1e-5 of trained rows, no row's error by more
+than 0.1%. Measured on 131072 trained 64-dim rows (``benchmarks/codecs.py --quick``, thread
+CPU time, a shared 2-core AMD EPYC): the whole encode at 1.6-1.9 GB/s of fp32 rows per core
+with entropy ``none`` (1.2-1.4 up to the zstd-compressed file), from 0.95-1.0 before; the
+search alone 2.4-2.5 GB/s: ~12-13 ns per scored range, compute-bound in the sums (two ranges'
+64 values: ~9 ns a step, measured alone). On other devices the walk runs vectorised over the
+batch in torch, in cache-sized chunks; the only Python loop is over the walk's steps (scoring
+one range costs about 6 passes over the rows there, ~0.25-0.5 ms per MB on this CPU).
 """
 
 from __future__ import annotations

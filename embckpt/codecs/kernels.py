@@ -11,7 +11,9 @@ first call, and numba caches the machine code on disk (``cache=True``); they rel
 model), as torch does. Quantization and decoding reproduce the torch path
 of uniform.py bit for bit (same float32 operations in the same order, no fused multiply-add);
 the range search runs the same greedy walk as adaptive.py, its sums of squares in another order
-(tests/test_codecs.py checks both). CUDA tensors never come here: they take the torch path.
+(reassociated, so the compiler vectorises them: their order is the compiler's), and the same
+ranges as the row-by-row kernel it replaced (tests/test_codecs.py checks both).
+CUDA tensors never come here: they take the torch path.
 
 fp16 rounding is done on the float32 bit pattern (round to nearest even, as ``Tensor.half()``):
 numba has no fp16 arithmetic on the CPU.
@@ -27,7 +29,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 #: Rows per tile of the range search: each step of the walk runs over a tile of rows at a
-#: time, so the rows' independent chains (fp16 rounding, divisions, choices) overlap.
+#: time, so the rows' independent chains (fp16 rounding, divisions, choices) vectorise across
+#: rows; 64 rows of 64 floats (16 KB) stay in L1 until they are quantized.
 _TILE = 64
 #: Floating-point freedoms of the sums of squares only (reassociation lets them vectorise);
 #: everything that decides a quantized value stays strict IEEE.
