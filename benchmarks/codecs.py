@@ -22,8 +22,10 @@ Writes ``benchmarks/results/codecs.json``. The machine is shared: speeds are noi
 Run: ``.venv/bin/python benchmarks/codecs.py [--rows 131072]``
 
 ``--quick`` measures only the speed of the quantizing codecs' ``encode`` / ``decode`` (entropy
-``none``), as the CPU time of the measuring thread (per-core figures on a shared machine), with
-each one's l2 error; it prints and writes nothing.
+``none`` and ``huffman``; for ``adaptive`` also the range search alone and the encode up to its
+zstd-compressed Parquet file, the default stage), as the CPU time of the measuring thread
+(per-core figures on a shared machine), with each one's l2 error; it prints them, and with
+``--write-speeds`` stores them as ``per_core_speeds`` in the results file.
 """
 
 from __future__ import annotations
@@ -161,30 +163,82 @@ def _column_bytes(data: pa.Buffer, name: str) -> int:
     )
 
 
-def quick(rows: torch.Tensor, reps: int) -> None:
-    """Per-core speeds (thread CPU time, best of ``reps``) and errors of the quantizing codecs."""
+def _cpu_time(fn: Any, reps: int) -> tuple[Any, float, float]:
+    """``fn()``'s result and its best and median thread CPU time over ``reps`` runs (after one
+    warming run: compiled kernels, k-means codebook, Huffman tables)."""
+    result = fn()
+    times = []
+    for _ in range(reps):
+        start = time.thread_time()
+        result = fn()
+        times.append(time.thread_time() - start)
+    return result, min(times), float(np.median(times))
+
+
+def per_core_speeds(rows: torch.Tensor, reps: int) -> list[dict[str, Any]]:
+    """Per-core speeds (thread CPU time) and errors of the quantizing codecs with entropy
+    ``none`` and ``huffman``, the adaptive search alone, and the adaptive encode with the
+    default stage (zstd) up to its compressed Parquet file."""
     fp32 = rows.numel() * 4 / 1e9
-
-    def cpu_time(fn: Any) -> tuple[Any, float]:
-        result = fn()  # warm: compiled kernels, k-means codebook
-        best = float("inf")
-        for _ in range(reps):
-            start = time.thread_time()
-            result = fn()
-            best = min(best, time.thread_time() - start)
-        return result, best
-
+    n, cols = rows.shape
+    out = []
     for codec_id in ("symmetric", "asymmetric", "adaptive", "kmeans"):
         for bits in BITS:
-            codec = make_codec(codec_id, {"bits": bits, "entropy": "none"})
-            encoded, t_enc = cpu_time(lambda c=codec: c.encode(rows))
-            decoded, t_dec = cpu_time(lambda c=codec, e=encoded: c.decode(e, rows.shape[1]))
-            error = (decoded.double() - rows.double()).norm(dim=1).mean().item()
-            print(
-                f"{codec_id:>10} {bits} l2 {error:.6f}  enc {fp32 / t_enc:7.3f}  "
-                f"dec {fp32 / t_dec:7.3f} GB/s per core",
-                flush=True,
-            )
+            for stage in ("none", "huffman"):
+                codec = make_codec(codec_id, {"bits": bits, "entropy": stage})
+                encoded, enc, enc_med = _cpu_time(lambda c=codec: c.encode(rows), reps)
+                decoded, dec, dec_med = _cpu_time(
+                    lambda c=codec, e=encoded: c.decode(e, cols), reps
+                )
+                row: dict[str, Any] = {
+                    "codec": codec_id,
+                    "bits": bits,
+                    "entropy": stage,
+                    "l2_error": (decoded.double() - rows.double()).norm(dim=1).mean().item(),
+                    "encode_gbps_per_core": round(fp32 / enc, 3),
+                    "encode_gbps_per_core_median": round(fp32 / enc_med, 3),
+                    "decode_gbps_per_core": round(fp32 / dec, 3),
+                    "decode_gbps_per_core_median": round(fp32 / dec_med, 3),
+                }
+                if codec_id == "adaptive" and stage == "none":
+                    row["search_gbps_per_core"] = round(fp32 / _search_time(codec, rows, reps), 3)
+                    zstd = make_codec(codec_id, {"bits": bits})
+                    ids = np.arange(n, dtype=np.int64)
+                    meta = {"codec": zstd.get_config()}
+                    _, file_enc, _ = _cpu_time(
+                        lambda c=zstd, m=meta, ids=ids: encode_file(
+                            ids, c.encode(rows), {}, {}, m, ROW_GROUP
+                        ),
+                        reps,
+                    )
+                    row["zstd_file_encode_gbps_per_core"] = round(fp32 / file_enc, 3)
+                out.append(row)
+                extra = {k: v for k, v in row.items() if "search" in k or "zstd" in k}
+                print(
+                    f"{codec_id:>10} {bits} {stage:>7} l2 {row['l2_error']:.6f}  "
+                    f"enc {row['encode_gbps_per_core']:7.3f}  "
+                    f"dec {row['decode_gbps_per_core']:7.3f} GB/s per core  {extra or ''}",
+                    flush=True,
+                )
+    return out
+
+
+def _search_time(codec: Any, rows: torch.Tensor, reps: int) -> float:
+    """Best thread CPU time of the adaptive range search alone (kernels.search_rows)."""
+    from embckpt.codecs import kernels
+
+    n = rows.shape[0]
+    lo, hi, xmin, xmax = (np.empty(n, dtype=np.float32) for _ in range(4))
+    none = np.empty((0, 0), dtype=np.uint8)
+    x = rows.numpy()
+    steps = codec._steps()
+    _, best, _ = _cpu_time(
+        lambda: kernels.search_rows(
+            x, codec.bits, codec.n_bins, steps, True, lo, hi, xmin, xmax, False, none
+        ),
+        reps,
+    )
+    return best
 
 
 def configurations() -> list[tuple[str, dict[str, Any], str]]:
@@ -282,6 +336,11 @@ def main() -> None:
         help="only the quantizing codecs' per-core encode/decode speeds (nothing written)",
     )
     parser.add_argument(
+        "--write-speeds",
+        action="store_true",
+        help="with --quick: store the per-core speeds in the results file (per_core_speeds)",
+    )
+    parser.add_argument(
         "--summarize-only",
         action="store_true",
         help="recompute the summary of the existing results file without measuring again",
@@ -308,7 +367,24 @@ def main() -> None:
         "deltas": torch.from_numpy(np.ascontiguousarray((final - earlier)[np.sort(pick_d)])),
     }
     if args.quick:
-        quick(data["weights"], args.reps)
+        speeds = per_core_speeds(data["weights"], args.reps)
+        if args.write_speeds:
+            import json
+
+            path = RESULTS / "codecs.json"
+            previous = json.loads(path.read_text())
+            previous["per_core_speeds"] = {
+                "notes": (
+                    "Thread CPU time of one thread (GB/s of fp32 rows per core), best and median "
+                    f"of {args.reps}, on {list(data['weights'].shape)} trained rows; "
+                    "zstd_file_encode: encode plus the zstd-compressed Parquet file, the default "
+                    "stage; search: the adaptive range search alone. `uptime` load at the run: "
+                    f"{Path('/proc/loadavg').read_text().split()[:3]}"
+                ),
+                "results": speeds,
+            }
+            path.write_text(json.dumps(previous, indent=1))
+            print(f"wrote {path}")
         return
     results = []
     for codec_id, options, which in configurations():

@@ -4,7 +4,9 @@ checkpoints. Every round trip goes through a real Parquet row file (codecs.testi
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -365,6 +367,134 @@ def test_kernel_search_keeps_the_greedy_error(bits: int, monkeypatch: pytest.Mon
     assert float((err / ref).max()) <= 1.01
     asym = _codec("asymmetric", bits).decode(_codec("asymmetric", bits).encode(x), 64) - x
     assert float(err.mean()) < float(asym.norm(dim=1).mean())  # the search still pays
+
+
+def _walk_row_by_row(
+    x: np.ndarray, bits: int, n_bins: int, steps: int, half: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's range by the reference walk below."""
+    lo = np.empty(len(x), dtype=np.float32)
+    hi = np.empty(len(x), dtype=np.float32)
+    _row_by_row_kernel()(x, bits, n_bins, steps, half, lo, hi)
+    return lo, hi
+
+
+@functools.cache
+def _row_by_row_kernel() -> Any:
+    """The compiled search as it stood before the lockstep kernel (kernels.search_rows): one
+    row's walk at a time, a branch per choice, left-to-right min and max. The reference that
+    the lockstep kernel must reproduce bit for bit."""
+    from numba import njit
+
+    from embckpt.codecs import kernels as k
+
+    @njit
+    def walk(x, bits, n_bins, steps, half, lo, hi):  # type: ignore[no-untyped-def]
+        top = np.float32((1 << bits) - 1)
+        bins = np.float32(n_bins)
+        for r in range(x.shape[0]):
+            cur_lo = x[r, 0]
+            cur_hi = x[r, 0]
+            for j in range(x.shape[1]):
+                cur_lo = min(cur_lo, x[r, j])
+                cur_hi = max(cur_hi, x[r, j])
+            lo[r] = cur_lo
+            hi[r] = cur_hi
+            step = (cur_hi - cur_lo) / bins
+            best = np.float32(np.inf)
+            inv, off, square = k._scoring(cur_lo, cur_hi, top, half)
+            loss = k._sumsq(x, r, inv, off, top) * square
+            for _ in range(steps):
+                inv1, off1, sq1 = k._scoring(cur_lo + step, cur_hi, top, half)
+                inv2, off2, sq2 = k._scoring(cur_lo, cur_hi - step, top, half)
+                up, down = k._sumsq2(x, r, inv1, off1, inv2, off2, top)
+                up *= sq1
+                down *= sq2
+                if loss < up and loss < down and loss < best:
+                    best = loss
+                    lo[r] = cur_lo
+                    hi[r] = cur_hi
+                if up < down:
+                    cur_lo += step
+                    loss = up
+                else:
+                    cur_hi -= step
+                    loss = down
+
+    return walk
+
+
+def _zero_heavy_rows(cols: int) -> torch.Tensor:
+    """Rows whose min or max is a zero, of either sign or both (the min and max must keep
+    the first), constant rows, and rows on a coarse grid (ties between ranges)."""
+    x = _rows(400, cols, seed=cols)
+    x[::7, ::3] = 0.0
+    x[::11, ::2] = -0.0
+    x[::13] = 0.0
+    x[::17] = -0.0
+    x[::19] = 0.37
+    x[::23, 0] = -0.0
+    x[::23, 1:] = 0.0
+    x[::29] = x[::29].abs()
+    x[1::29] = -x[1::29].abs()
+    x[::31] = torch.round(x[::31] * 100) / 100
+    return x
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_lockstep_search_reproduces_the_row_by_row_walk(bits: int) -> None:
+    """kernels.search_rows picks exactly the ranges of the row-by-row walk it replaced, and
+    the adaptive codec writes exactly the bytes of those ranges quantized, on trained-like
+    rows, zero-heavy rows and odd widths, with fp16-rounded and exact parameters.
+
+    With fp16 parameters, only rows whose scale is a normal fp16 number, as every row the
+    codec stores with fp16 parameters is: below that, neighbouring ranges round to one scale
+    and tie exactly, and the sums' order (the compiler's, see kernels.py) breaks the tie.
+    """
+    from embckpt.codecs import kernels
+    from embckpt.codecs.base import fixed_binary_values
+    from embckpt.codecs.uniform import half_params_fit
+
+    torch.manual_seed(bits)
+    codec = AdaptiveCodec(bits=bits)
+    steps = math.floor(codec.n_bins * codec.ratio + 1e-9)
+    batches = [_trained_like_rows(20000, bits)] + [_zero_heavy_rows(c) for c in (1, 7, 64, 100)]
+    for x in batches:
+        xn = x.numpy()
+        normal = (x.amax(1) - x.amin(1)) / ((1 << bits) - 1) >= 2.0**-14
+        for half in (False, True):
+            if half:
+                xn = np.ascontiguousarray(xn[normal.numpy()])
+        for half in (False, True):
+            ref_lo, ref_hi = _walk_row_by_row(xn, bits, codec.n_bins, steps, half)
+            lo, hi, xmin, xmax = (np.empty(len(xn), dtype=np.float32) for _ in range(4))
+            none = np.empty((0, 0), dtype=np.uint8)
+            assert kernels.search_rows(
+                xn, bits, codec.n_bins, steps, half, lo, hi, xmin, xmax, False, none
+            )
+            assert np.array_equal(lo.view(np.uint32), ref_lo.view(np.uint32)), (bits, half)
+            assert np.array_equal(hi.view(np.uint32), ref_hi.view(np.uint32)), (bits, half)
+        # The codec's bytes: the reference's ranges, searched and quantized as its options say.
+        xn = x.numpy()
+        half = half_params_fit(x.amin(1), x.amax(1), bits)
+        ref_lo, ref_hi = map(
+            torch.from_numpy, _walk_row_by_row(xn, bits, codec.n_bins, steps, half)
+        )
+        expected = codec._fuse(x, ref_lo, ref_hi, half_params_fit(ref_lo, ref_hi, bits))
+        payload = fixed_binary_values(codec.encode(x).columns["payload"])
+        assert np.array_equal(payload, expected.numpy()), bits
+
+
+def test_lockstep_search_stops_at_non_finite_rows() -> None:
+    from embckpt.codecs import kernels
+
+    x = _rows(200, 16)
+    x[150, 3] = float("nan")
+    out = np.empty((200, packed_width(16, 4) + 4), dtype=np.uint8)
+    lo, hi, xmin, xmax = (np.empty(200, dtype=np.float32) for _ in range(4))
+    assert not kernels.search_rows(x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out)
+    x[150, 3] = float("-inf")
+    assert not kernels.search_rows(x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out)
 
 
 def test_torch_paths_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,19 +17,19 @@ steps) or caffe2's (200, 0.16: 32 steps) recovers, at a third of the cost or les
 asymmetric: 0.75, 0.87, 0.92, 0.95 at 2, 3, 4, 8 bits).
 
 Cost: each step scores two ranges exactly, so encoding quantizes every row about 11 times.
-On CPU tensors the walk runs in a compiled per-row kernel (kernels.greedy_ranges): the row stays
-in L1 while its ~11 ranges are scored (the scores' sums vectorised, in another order than
-torch's; the chosen ranges matched the torch path's on all but ~1e-5 of trained rows, and no
-row's error grew by more than 0.1%: tests/test_codecs.py). Measured on 65536 trained 64-dim rows
-(``benchmarks/codecs.py --quick``, thread CPU time, a 2-core machine shared with other work):
-about 0.45-0.6 GB/s of fp32 rows per core for the whole encode, from 0.11-0.14 with the torch
-walk; the kernel itself about 0.75-0.9 GB/s, ~12-15 ns per scored range with the rest spent
-on each step's fp16 rounding and two divisions per range, which depend on the previous step's
-choice. 1 GB/s would need fewer scored ranges: four steps with retuned ``n_bins`` (9 ranges)
-stayed within 0.2-0.9% of this search's error and would gain ~20%, not enough to pay for the
-changed defaults. On other devices the walk runs vectorised over the batch in torch, in
-cache-sized chunks; the only Python loop is over the walk's steps (scoring one range costs about
-6 passes over the rows there, ~0.25-0.5 ms per MB on this CPU).
+On CPU tensors one compiled pass (kernels.search_rows) takes a tile of rows at a time: their
+min and max (integer reductions), the walk in lockstep (each step: every row's candidate
+scales, the rows' sums of squares, every row's choice without a branch), then the tile
+quantized and packed while it is still in L1. The ranges are exactly those of the row-by-row
+walk it replaced (tests/test_codecs.py); the sums of squares run in another order than
+torch's, so the torch path's ranges differ on ~1e-5 of trained rows, no row's error by more
+than 0.1%. Measured on 131072 trained 64-dim rows (``benchmarks/codecs.py --quick``, thread
+CPU time, a shared 2-core AMD EPYC): the whole encode at 1.6-1.9 GB/s of fp32 rows per core
+with entropy ``none`` (1.2-1.4 up to the zstd-compressed file), from 0.95-1.0 before; the
+search alone 2.4-2.5 GB/s: ~12-13 ns per scored range, compute-bound in the sums (two ranges'
+64 values: ~9 ns a step, measured alone). On other devices the walk runs vectorised over the
+batch in torch, in cache-sized chunks; the only Python loop is over the walk's steps (scoring
+one range costs about 6 passes over the rows there, ~0.25-0.5 ms per MB on this CPU).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 
 from embckpt.codecs.base import register
 from embckpt.codecs.common import DEFAULT_ENTROPY
+from embckpt.codecs.packing import packed_width
 from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, use_kernels
 from embckpt.errors import ConfigError
 
@@ -87,9 +88,43 @@ class AdaptiveCodec(AsymmetricCodec):
     def _options(self) -> dict[str, Any]:
         return {**super()._options(), "n_bins": self.n_bins, "ratio": self.ratio}
 
+    def _steps(self) -> int:
+        return math.floor(self.n_bins * self.ratio + 1e-9)
+
+    def _plan_fused(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+        """On CPU rows, one compiled pass: each tile of rows is searched, then quantized while
+        it is still in L1, on the assumption (true of trained tables) that fp16 parameters
+        hold the batch; where that turns out wrong, or a row is not finite, the fused rows
+        are dropped and the search runs as :meth:`_ranges` would have (same ranges)."""
+        if (
+            not use_kernels(x)
+            or self._steps() < 2
+            or x.shape[0] == 0
+            or self.param_dtype == "float32"
+        ):
+            return super()._plan_fused(x)
+        from embckpt.codecs import kernels
+
+        n, cols = x.shape
+        lo, hi, xmin, xmax = (np.empty(n, dtype=np.float32) for _ in range(4))
+        fused = np.empty((n, packed_width(cols, self.bits) + 4), dtype=np.uint8)
+        finite = kernels.search_rows(
+            x.numpy(), self.bits, self.n_bins, self._steps(), True, lo, hi, xmin, xmax, True, fused
+        )
+        if not finite or (
+            self.param_dtype == "auto"
+            and not half_params_fit(torch.from_numpy(xmin), torch.from_numpy(xmax), self.bits)
+        ):
+            return super()._plan_fused(x)
+        lo_t, hi_t = torch.from_numpy(lo), torch.from_numpy(hi)
+        half = self._half(half_params_fit(lo_t, hi_t, self.bits))
+        return lo_t, hi_t, half, torch.from_numpy(fused) if half else None
+
     def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xmin, xmax = x.amin(dim=1), x.amax(dim=1)
-        steps = math.floor(self.n_bins * self.ratio + 1e-9)
+        steps = self._steps()
         if steps < 2 or x.shape[0] == 0 or not bool(torch.isfinite(xmin).all()):
             # Under two steps the walk never meets a local optimum but the full range; NaN
             # and infinities are reported by encode().
@@ -100,9 +135,22 @@ class AdaptiveCodec(AsymmetricCodec):
         if use_kernels(x):
             from embckpt.codecs import kernels
 
-            lo_np = np.empty(x.shape[0], dtype=np.float32)
-            hi_np = np.empty(x.shape[0], dtype=np.float32)
-            kernels.greedy_ranges(x.numpy(), self.bits, self.n_bins, steps, half, lo_np, hi_np)
+            n = x.shape[0]
+            lo_np, hi_np, xmin_np, xmax_np = (np.empty(n, dtype=np.float32) for _ in range(4))
+            none = np.empty((0, 0), dtype=np.uint8)
+            kernels.search_rows(
+                x.numpy(),
+                self.bits,
+                self.n_bins,
+                steps,
+                half,
+                lo_np,
+                hi_np,
+                xmin_np,
+                xmax_np,
+                False,
+                none,
+            )
             return torch.from_numpy(lo_np), torch.from_numpy(hi_np)
         lo, hi = torch.empty_like(xmin), torch.empty_like(xmax)
         for start in range(0, x.shape[0], _CHUNK_ROWS):

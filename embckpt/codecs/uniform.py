@@ -270,6 +270,12 @@ class UniformCodec(StagedCodec):
         """Each row's quantization range [lo, hi] (per-row vectors)."""
         raise NotImplementedError
 
+    def _plan_fused(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+        """:meth:`_plan`, plus the fused rows when planning already wrote them (else None)."""
+        return (*self._plan(x), None)
+
     def _plan(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Each row's range and whether fp16 parameters hold the whole batch."""
         lo, hi = self._ranges(x)
@@ -289,28 +295,34 @@ class UniformCodec(StagedCodec):
 
     def encode(self, rows: torch.Tensor) -> EncodedRows:
         x = float_rows(rows, self.codec_id, check=False)
-        lo, hi, half = self._plan(x)
+        lo, hi, half, fused = self._plan_fused(x)
         # NaN and infinities propagate into every row's range: checking the ranges is enough.
         if lo.numel() and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
             require_finite(x, self.codec_id)
-        if half and use_kernels(x):
-            # One pass per row: codes, scale and bias straight into the fused row.
-            fused = quantize_half(x, lo, hi, self.bits, with_bias=self.bias_stored)
-        elif self.bias_stored:
-            codes, params = quantize_affine(x, lo, hi, self.bits, half)
-            fused = _join(codes, params)
-        else:
-            codes, _ = quantize_affine(x, lo, hi, self.bits, half)
-            # The scale itself, not the quantizer's: for an all-zero row FBGEMM stores 1.0,
-            # which with an implied bias would decode to -2**(bits-1).
-            scale = (hi - lo) / ((1 << self.bits) - 1)
-            scale = scale.to(torch.float16 if half else torch.float32)[:, None]
-            fused = torch.cat([codes, scale.view(torch.uint8)], dim=1)
+        if fused is None:
+            fused = self._fuse(x, lo, hi, half)
         width = packed_width(x.shape[1], self.bits)
         tables = param_tables(width, fused.shape[1] - width)
         column, meta, hint = self._payload_column(fused.cpu().numpy(), tables)
         meta["param_dtype"] = "float16" if half else "float32"
         return EncodedRows(columns={PAYLOAD: column}, metadata=meta, compression=hint)
+
+    def _fuse(
+        self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, half: bool
+    ) -> torch.Tensor:
+        """The fused rows [n, w + p]: ``x`` quantized over [lo, hi], then its parameters."""
+        if half and use_kernels(x):
+            # One pass per row: codes, scale and bias straight into the fused row.
+            return quantize_half(x, lo, hi, self.bits, with_bias=self.bias_stored)
+        if self.bias_stored:
+            codes, params = quantize_affine(x, lo, hi, self.bits, half)
+            return _join(codes, params)
+        codes, _ = quantize_affine(x, lo, hi, self.bits, half)
+        # The scale itself, not the quantizer's: for an all-zero row FBGEMM stores 1.0,
+        # which with an implied bias would decode to -2**(bits-1).
+        scale = (hi - lo) / ((1 << self.bits) - 1)
+        scale = scale.to(torch.float16 if half else torch.float32)[:, None]
+        return torch.cat([codes, scale.view(torch.uint8)], dim=1)
 
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
         dtype = {"float16": np.float16, "float32": np.float32}.get(
