@@ -227,7 +227,9 @@ def main() -> None:
     try:
         run_ranks(_write_chain, WORLD, cfg, root, timeout_s=args.timeout)
         for mode in args.modes.split(","):
-            found = run_ranks(_worker, WORLD, cfg, root, mode, args.restores, timeout_s=args.timeout)
+            found = run_ranks(
+                _worker, WORLD, cfg, root, mode, args.restores, timeout_s=args.timeout
+            )
             results[mode] = _summary(found)
             for rank, r in enumerate(results[mode]["per_rank"]):
                 print(
