@@ -336,6 +336,7 @@ class Checkpointer:
             self._unwatch()
             self.tracker.close()
             self._lock.release()
+            self.comm.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -34,6 +34,13 @@ class Collective:
         else:
             self.rank, self.world_size, self.group = 0, 1, None
 
+    def close(self) -> None:
+        """Destroys the group: gloo keeps threads and sockets per group until then, so a
+        process building checkpointers one after another would collect them."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
     def all_gather(self, obj: _T) -> list[_T]:
         if self.group is None:
             return [obj]

@@ -14,7 +14,6 @@ module's worker threads oversubscribe the rank's cores (a scatter measured 15x s
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from embckpt.read.plan import Keep, plan_reads
+from embckpt.read.pool import worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
 from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
@@ -102,7 +102,7 @@ def apply_staged(
     written: list[WrittenRows] = []
     states: dict[int, list[_RowStateRows]] = {}
     try:
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads), "embckpt-apply") as pool:
+        with worker_pool(threads, "embckpt-apply") as pool:
             for wave in waves:
                 # Largest first, so that the last file to finish is a small one.
                 wave.sort(key=lambda f: -f.read.planned_bytes)

@@ -57,6 +57,7 @@ from embckpt.errors import (
     as_error,
 )
 from embckpt.read.apply import apply_staged
+from embckpt.read.heap import trim_heap
 from embckpt.read.plan import plan_reads
 from embckpt.read.side_state import SideState, apply_side_state, read_side_state
 from embckpt.read.stage import ReadCost, StagedFile, release, stage
@@ -253,6 +254,9 @@ def restore_checkpoint(
             RestoreError, exc, f"step {target}: rank {comm.rank}: applying the rows failed"
         )
         release([file for files in staged for file in files])
+    del staged
+    with clock.time("apply"):
+        trim_heap()  # the decode buffers' pages, kept by the allocators otherwise (heap.py)
     comm.check(error, what, RestoreRankError)
     for reason in side.skipped:
         log.warning("restore of step %d: not restored: %s", target, reason)

@@ -30,6 +30,7 @@ import numpy as np
 from embckpt.codecs import Codec, codec_from_config
 from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
+from embckpt.read.pool import worker_pool
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 from embckpt.storage.rowfile_read import CheckedFile
@@ -164,7 +165,7 @@ def stage(
     coverage = Coverage(reads)
     by_position: list[list[StagedFile]] = [[] for _ in range(chain_length)]
     try:
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads), "embckpt-stage") as pool:
+        with worker_pool(threads, "embckpt-stage") as pool:
             for position in reversed(range(chain_length)):
                 with clock.time("plan"):
                     pruned = [coverage.prune(r) for r in reads if r.position == position]
