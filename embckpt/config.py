@@ -39,7 +39,11 @@ class CheckpointConfig:
     Attributes:
         policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full) or
             ``incremental`` (diffs against the previous checkpoint).
-        full_every: a full checkpoint every this many checkpoints (0: only the first one).
+        full_every: a full checkpoint at the latest when the chain since the last full holds
+            this many checkpoints (0: no full is ever forced). None (the default) takes the
+            policy's own: 4 for ``one_shot`` and ``incremental``, off for ``intermittent``,
+            whose predictor decides when a full is cheaper (a value given there caps the
+            chain's length; the predictor may still take fulls sooner).
         policy_options: settings of the policy (``intermittent``: ``rule`` = ``cost`` or
             ``checknrun``, ``restore_weight``).
         expected_restores: if set, the bit width of quantizing codecs follows the restores the
@@ -92,7 +96,7 @@ class CheckpointConfig:
     """
 
     policy: str = "one_shot"
-    full_every: int = 4
+    full_every: int | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     expected_restores: int | None = None
     keep_last: int = 0
@@ -124,7 +128,7 @@ class CheckpointConfig:
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
         for name in ("full_every", "write_retries", "retry_backoff_s", "pack_below_bytes"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline {self.pipeline!r} is not one of {PIPELINES}")
