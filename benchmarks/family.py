@@ -14,7 +14,8 @@ setting, on 2 gloo ranks, with ``benchmarks/policies.py``'s worker:
   ``diffs: one_shot``, lossless optimizer state), given explicitly (``--no-before`` skips it);
 * ``intermittent_one_shot``: the default with Check-N-Run's one-shot diffs only, beside the
   best full / one-shot schedule knowing the future (``oracle.py``; the same schedule space);
-* ``candidate`` (with ``--candidate KEY=VALUE``): the default with those settings changed.
+* ``candidate_NAME`` (with ``--candidate NAME=MAPPING``): the headline setting with the
+  mapping's fields (to choose defaults from evidence).
 
 Per workload: the measured touched fraction per interval, write reduction (bytes per interval
 against a full fp32 checkpoint) and storage reduction (keeping every fp32 full against the
@@ -64,9 +65,9 @@ SHARES = (0.33, 0.22, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02)
 @dataclasses.dataclass(frozen=True)
 class Member:
     """One workload of the family: 8 tables of ``rows`` rows in all (``largest``: the first
-    table alone has this many, the others split ``rows``; ``equal``: 8 tables alike), ``dim`` columns, ids drawn with Zipf
-    exponent ``alpha``, ``batch`` samples per rank and step, a checkpoint every ``every`` steps
-    after ``warmup`` steps of training."""
+    table alone has this many, the others split ``rows``; ``equal``: 8 tables alike), ``dim``
+    columns, ids drawn with Zipf exponent ``alpha``, ``batch`` samples per rank and step, a
+    checkpoint every ``every`` steps after ``warmup`` steps of training."""
 
     name: str
     rows: int
@@ -141,8 +142,9 @@ FAMILY = (
 )
 
 
-def settings(sets: list[str]) -> dict[str, CheckpointConfig]:
-    """The runs' checkpoint settings; ``sets`` (``KEY=VALUE``, YAML values) make ``candidate``."""
+def settings(candidates: list[str]) -> dict[str, CheckpointConfig]:
+    """The runs' checkpoint settings; each of ``candidates`` (``NAME=MAPPING``, the mapping in
+    YAML) adds run ``candidate_NAME``: the headline setting with the mapping's fields."""
     default = from_mapping(CheckpointConfig, {**HEADLINE, "keep_last": 1}, "headline")
     options = {**default.policy_options, "diffs": "one_shot"}
     configs = {
@@ -151,10 +153,11 @@ def settings(sets: list[str]) -> dict[str, CheckpointConfig]:
         "before": dataclasses.replace(default, **BEFORE),
         "intermittent_one_shot": dataclasses.replace(default, policy_options=options),
     }
-    if sets:
-        changed = {k.strip(): yaml.safe_load(v) for k, _, v in (s.partition("=") for s in sets)}
-        configs["candidate"] = from_mapping(
-            CheckpointConfig, {**HEADLINE, "keep_last": 1, **changed}, "candidate"
+    for candidate in candidates:
+        name, _, mapping = candidate.partition("=")
+        changed = yaml.safe_load(mapping) or {}
+        configs[f"candidate_{name.strip()}"] = from_mapping(
+            CheckpointConfig, {**HEADLINE, "keep_last": 1, **changed}, f"candidate {name}"
         )
     return configs
 
@@ -224,6 +227,8 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         "full_restore_s": full_s,
         "chain_vs_full_restore": chain_s / full_s,
         "restore_s": restore,
+        "restore_phases": measured["restore_phases"],
+        "byte_budget": table["default"]["byte_budget"],
         "oracle": oracle,
         "runs": per_run,
         "runtime_s": time.perf_counter() - started,
@@ -239,6 +244,14 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         f"({row['chain_vs_full_restore']:.2f}x), {row['runtime_s']:.0f} s",
         flush=True,
     )
+    for name, run in per_run.items():
+        if name.startswith("candidate_"):
+            print(
+                f"{'':>17}{name}: {run['write_reduction_x']:.1f}x ({run['schedule']}), "
+                f"{run['bytes_per_written_row_diff'] or 0:.1f} B/row, rel l2 "
+                f"{run['restored_rel_l2']:.4f}",
+                flush=True,
+            )
     return row
 
 
@@ -257,8 +270,9 @@ def main() -> None:
         "--candidate",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="also run the default with this setting changed (YAML value), as 'candidate'",
+        metavar="NAME=MAPPING",
+        help="also run the headline setting with these fields (a YAML mapping), as "
+        "'candidate_NAME', e.g. 'log8={optimizer_codec: log8}'",
     )
     parser.add_argument("--name", default="family", help="result file name")
     args = parser.parse_args()

@@ -191,16 +191,18 @@ def _restore_times(
     cfg: DemoConfig,
     directories: dict[str, tuple[Path, CheckpointConfig]],
     repeats: int,
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, Any]]:
     """Seconds to load the latest checkpoint of each of ``directories`` into a fresh model,
     ``repeats`` rounds, the directories in turn in each round (so that their ratios come from
-    the same moments), between barriers; the slowest rank's time is the caller's to take."""
+    the same moments), between barriers; the slowest rank's time is the caller's to take.
+    ``phases``: each load's links and busy seconds per restore phase."""
     import torch.distributed as dist
 
     from embckpt import Checkpointer
 
     work = build_workload(rank, world_size, cfg)
     seconds: dict[str, list[float]] = {name: [] for name in directories}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in directories}
     for _ in range(repeats):
         for name, (directory, config) in directories.items():
             with Checkpointer(
@@ -208,10 +210,11 @@ def _restore_times(
             ) as ckpt:
                 dist.barrier()
                 started = time.perf_counter()
-                ckpt.load()
+                result = ckpt.load()
                 seconds[name].append(time.perf_counter() - started)
+                phases[name].append({"links": len(result.chain), **result.phases})
                 dist.barrier()
-    return seconds
+    return {"seconds": seconds, "phases": phases}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +281,8 @@ def measure(
     rows touched in the union of intervals ``f+1..t``, every rank's rows, see
     :func:`oracle.union_counts`), ``rel_l2`` (per run and table) and, when ``restore_runs``
     names runs, ``restore_s``: per run, the slowest rank's seconds to load its latest checkpoint
-    into a fresh model, one per round."""
+    into a fresh model, one per round (``restore_phases``: per run and rank, each load's links
+    and phase seconds)."""
     ranks = run_ranks(
         _worker,
         cfg.world_size,
@@ -299,8 +303,11 @@ def measure(
     }
     if restore_runs:
         result["restore_s"] = {
-            name: np.max([r["restore_s"][name] for r in ranks], axis=0).tolist()
+            name: np.max([r["restore_s"]["seconds"][name] for r in ranks], axis=0).tolist()
             for name in restore_runs
+        }
+        result["restore_phases"] = {
+            name: [r["restore_s"]["phases"][name] for r in ranks] for name in restore_runs
         }
     return result
 
