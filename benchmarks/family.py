@@ -198,6 +198,10 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
             "bytes_per_written_row_diff": table[name]["bytes_per_written_row_diff"],
             "restored_rel_l2": table[name]["restored_rel_l2"],
             "schedule": _schedule_string(runs[name]),
+            "checkpoints": [
+                {k: r[k] for k in ("step", "kind", "parent_step", "bytes", "rows", "rows_bytes")}
+                for r in runs[name]
+            ],
         }
         for name in configs
     }

@@ -146,6 +146,7 @@ def _run(
 
     from embckpt import Checkpointer
     from embckpt.storage.layout import step_dir_name
+    from embckpt.storage.manifest import files_bytes
 
     work = build_workload(rank, world_size, cfg, dataset)
     for _ in range(schedule.warmup_steps):
@@ -163,7 +164,8 @@ def _run(
             assert manifest is not None
             dist.barrier()
             step_dir = directory / step_dir_name(step)
-            rows_bytes = sum(f.bytes for f in manifest.files if f.role == "rows")
+            # Each file once: the blocks of a packed rows file share it.
+            rows_bytes = files_bytes(f for f in manifest.files if f.role == "rows")
             records.append(
                 {
                     "step": step,
