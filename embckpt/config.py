@@ -37,15 +37,17 @@ class CheckpointConfig:
     """How checkpoints are taken and encoded.
 
     Attributes:
-        policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full) or
-            ``incremental`` (diffs against the previous checkpoint).
+        policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full),
+            ``incremental`` (diffs against the previous checkpoint) or ``intermittent`` (diffs,
+            and a full when its predictor says a full is cheaper).
         full_every: a full checkpoint at the latest when the chain since the last full holds
             this many checkpoints (0: no full is ever forced). None (the default) takes the
             policy's own: 4 for ``one_shot`` and ``incremental``, off for ``intermittent``,
             whose predictor decides when a full is cheaper (a value given there caps the
             chain's length; the predictor may still take fulls sooner).
         policy_options: settings of the policy (``intermittent``: ``rule`` = ``cost`` or
-            ``checknrun``, ``restore_weight``).
+            ``checknrun``, ``restore_weight``, ``diffs`` = ``auto``, the default under ``cost``,
+            or ``one_shot``).
         expected_restores: if set, the bit width of quantizing codecs follows the restores the
             job expects (Check-N-Run: 2 bits for 1, 3 for 3, 4 for 20, 8 beyond), widening once
             more restores happened than planned; overrides ``bits``.
