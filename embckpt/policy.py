@@ -217,13 +217,14 @@ class IntermittentPolicy(Policy):
     expected restores per checkpoint times the relative cost of a byte read at restore).
 
     ``diffs="one_shot"`` writes Check-N-Run's one-shot diffs only. ``diffs="auto"`` (the default
-    with ``rule="cost"``; ``checknrun`` takes one-shot diffs only) prices both kinds for the next diff, as written bytes plus
-    ``restore_weight`` times the bytes a restore of the resulting chain reads: a one-shot diff
-    (every row changed since the full; restores read the full and it) or an incremental one (the
-    rows changed since the previous checkpoint; restores read the whole chain), and takes the
-    cheaper. Where rows keep changing (early training) a one-shot diff soon re-writes most of
-    what earlier ones held, and incremental diffs write a fraction of it; the restore term
-    bounds the chain, since a full then becomes the cheaper forecast.
+    with ``rule="cost"``; ``checknrun`` takes one-shot diffs only) prices both kinds for the
+    next diff, as written bytes plus ``restore_weight`` times the bytes a restore of the
+    resulting chain reads: a one-shot diff (every row changed since the full; restores read the
+    full and it) or an incremental one (the rows changed since the previous checkpoint; restores
+    read the whole chain), and takes the cheaper. Where rows keep changing (early training) a
+    one-shot diff soon re-writes most of what earlier ones held, and incremental diffs write a
+    fraction of it; the restore term bounds the chain, since a full then becomes the cheaper
+    forecast.
     """
 
     name = "intermittent"
