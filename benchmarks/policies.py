@@ -114,74 +114,204 @@ def restored_rel_l2(
     return result
 
 
+def policy_configs(checkpoint: CheckpointConfig) -> dict[str, CheckpointConfig]:
+    """The settings of each run of :data:`POLICIES`: ``checkpoint`` with the run's policy;
+    ``policy_options`` go to the intermittent runs only."""
+    configs = {}
+    for policy in POLICIES:
+        options: dict[str, Any] = {}
+        if policy.startswith("intermittent"):
+            options = dict(checkpoint.policy_options)
+            if policy == "intermittent_one_shot":
+                options["diffs"] = "one_shot"
+        configs[policy] = dataclasses.replace(
+            checkpoint, policy=policy.removesuffix("_one_shot"), policy_options=options
+        )
+    return configs
+
+
+def _run(
+    rank: int,
+    world_size: int,
+    cfg: DemoConfig,
+    dataset: Any,
+    directory: Path,
+    config: CheckpointConfig,
+    schedule: Schedule,
+) -> tuple[list[dict[str, Any]], np.ndarray, list[tuple[str, str, int, int, Any]]]:
+    """One run: trains ``schedule.warmup_steps`` steps unwatched, then checkpoints every
+    ``schedule.every`` steps ``schedule.intervals`` times. Returns the checkpoints' records,
+    this rank's rows touched in each interval and its live blocks at the end."""
+    import torch.distributed as dist
+
+    from embckpt import Checkpointer
+    from embckpt.storage.layout import step_dir_name
+    from embckpt.storage.manifest import files_bytes
+
+    work = build_workload(rank, world_size, cfg, dataset)
+    for _ in range(schedule.warmup_steps):
+        work.step()
+    records = []
+    touched = []
+    with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ckpt:
+        first = schedule.warmup_steps
+        for step in range(first + 1, first + schedule.intervals * schedule.every + 1):
+            work.step()
+            if (step - first) % schedule.every:
+                continue
+            touched.append(_touched_since_last(ckpt))
+            manifest = ckpt.save(step).wait()
+            assert manifest is not None
+            dist.barrier()
+            step_dir = directory / step_dir_name(step)
+            # Each file once: the blocks of a packed rows file share it.
+            rows_bytes = files_bytes(f for f in manifest.files if f.role == "rows")
+            records.append(
+                {
+                    "step": step,
+                    "kind": manifest.kind,
+                    "parent_step": manifest.parent_step,
+                    "bytes": manifest.total_bytes,
+                    "rows": manifest.rows_written,
+                    "rows_bytes": rows_bytes,
+                    "non_row_bytes": manifest.total_bytes - rows_bytes,
+                    "touched_fraction": manifest.stats["touched_fraction"],
+                    "written_fraction": manifest.stats["dirty_fraction"],
+                    "full_fp32_bytes": manifest.stats["full_fp32_bytes"],
+                    "storage_held_bytes": _dir_bytes(directory) if rank == 0 else None,
+                    "budget": checkpoint_budget(step_dir) if rank == 0 else None,
+                    "reason": manifest.stats["reason"],
+                }
+            )
+        live = _live_blocks(ckpt)
+    return records, np.stack(touched), live
+
+
+def _restore_times(
+    rank: int,
+    world_size: int,
+    cfg: DemoConfig,
+    directories: dict[str, tuple[Path, CheckpointConfig]],
+    repeats: int,
+) -> dict[str, dict[str, Any]]:
+    """Seconds to load the latest checkpoint of each of ``directories`` into a fresh model,
+    ``repeats`` rounds, the directories in turn in each round (so that their ratios come from
+    the same moments), between barriers; the slowest rank's time is the caller's to take.
+    ``phases``: each load's links and busy seconds per restore phase."""
+    import torch.distributed as dist
+
+    from embckpt import Checkpointer
+
+    work = build_workload(rank, world_size, cfg)
+    seconds: dict[str, list[float]] = {name: [] for name in directories}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in directories}
+    for _ in range(repeats):
+        for name, (directory, config) in directories.items():
+            with Checkpointer(
+                work.model, directory, optimizer=work.optimizer, config=config
+            ) as ckpt:
+                dist.barrier()
+                started = time.perf_counter()
+                result = ckpt.load()
+                seconds[name].append(time.perf_counter() - started)
+                phases[name].append({"links": len(result.chain), **result.phases})
+                dist.barrier()
+    return {"seconds": seconds, "phases": phases}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When a run checkpoints: ``intervals`` checkpoints, one every ``every`` steps, after
+    ``warmup_steps`` steps of training without checkpoints (a job that starts checkpointing
+    late, or resumes into a new directory)."""
+
+    intervals: int
+    every: int
+    warmup_steps: int = 0
+
+
 def _worker(
-    rank: int, world_size: int, cfg: DemoConfig, root: str, intervals: int, every: int
+    rank: int,
+    world_size: int,
+    cfg: DemoConfig,
+    root: str,
+    configs: dict[str, CheckpointConfig],
+    schedule: Schedule,
+    restore_pairs: tuple[str, ...],
+    repeats: int,
 ) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from embckpt import Checkpointer
     from embckpt.examples.demo import load_dataset
-    from embckpt.storage.layout import step_dir_name
 
     dataset = load_dataset(cfg)
     out: dict[str, Any] = {"runs": {}, "union_counts": {}, "rel_l2": {}}
-    for policy in POLICIES:
-        work = build_workload(rank, world_size, cfg, dataset)
-        options: dict[str, Any] = {}
-        if policy.startswith("intermittent"):
-            options = dict(cfg.checkpoint.policy_options)
-            if policy == "intermittent_one_shot":
-                options["diffs"] = "one_shot"
-        config = dataclasses.replace(
-            cfg.checkpoint, policy=policy.removesuffix("_one_shot"), policy_options=options
-        )
-        directory = Path(root) / policy
-        records = []
-        touched = []
-        with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ckpt:
-            for step in range(1, intervals * every + 1):
-                work.step()
-                if step % every:
-                    continue
-                touched.append(_touched_since_last(ckpt))
-                manifest = ckpt.save(step).wait()
-                assert manifest is not None
-                dist.barrier()
-                step_dir = directory / step_dir_name(step)
-                rows_bytes = sum(f.bytes for f in manifest.files if f.role == "rows")
-                records.append(
-                    {
-                        "step": step,
-                        "kind": manifest.kind,
-                        "parent_step": manifest.parent_step,
-                        "bytes": manifest.total_bytes,
-                        "rows": manifest.rows_written,
-                        "rows_bytes": rows_bytes,
-                        "non_row_bytes": manifest.total_bytes - rows_bytes,
-                        "touched_fraction": manifest.stats["touched_fraction"],
-                        "written_fraction": manifest.stats["dirty_fraction"],
-                        "full_fp32_bytes": manifest.stats["full_fp32_bytes"],
-                        "storage_held_bytes": _dir_bytes(directory) if rank == 0 else None,
-                        "budget": checkpoint_budget(step_dir) if rank == 0 else None,
-                        "reason": manifest.stats["reason"],
-                    }
-                )
-            live = _live_blocks(ckpt)
-        out["runs"][policy] = records
-        out["union_counts"][policy] = union_counts(np.stack(touched)).tolist()
+    for name, config in configs.items():
+        directory = Path(root) / name
+        records, touched, live = _run(rank, world_size, cfg, dataset, directory, config, schedule)
+        out["runs"][name] = records
+        out["union_counts"][name] = union_counts(touched).tolist()
         # Rank 0 rebuilds the tables from the files; every rank's live blocks go through disk.
-        torch.save(live, Path(root) / f"live_{policy}_{rank}.pt")
+        torch.save(live, Path(root) / f"live_{name}_{rank}.pt")
         dist.barrier()
         if rank == 0:
             every_block = [
                 block
                 for r in range(world_size)
-                for block in torch.load(Path(root) / f"live_{policy}_{r}.pt")
+                for block in torch.load(Path(root) / f"live_{name}_{r}.pt")
             ]
-            out["rel_l2"][policy] = restored_rel_l2(directory, every_block)
+            out["rel_l2"][name] = restored_rel_l2(directory, every_block)
         dist.barrier()
+    if restore_pairs:
+        directories = {name: (Path(root) / name, configs[name]) for name in restore_pairs}
+        out["restore_s"] = _restore_times(rank, world_size, cfg, directories, repeats)
     return out
+
+
+def measure(
+    cfg: DemoConfig,
+    root: str,
+    configs: dict[str, CheckpointConfig],
+    schedule: Schedule,
+    restore_runs: tuple[str, ...] = (),
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Trains ``cfg``'s workload once per entry of ``configs`` (the same deterministic run each
+    time) on ``cfg.world_size`` ranks, checkpointing under that entry's settings into
+    ``root/<name>``. Returns ``runs`` (each run's checkpoint records), ``counts`` (per run:
+    rows touched in the union of intervals ``f+1..t``, every rank's rows, see
+    :func:`oracle.union_counts`), ``rel_l2`` (per run and table) and, when ``restore_runs``
+    names runs, ``restore_s``: per run, the slowest rank's seconds to load its latest checkpoint
+    into a fresh model, one per round (``restore_phases``: per run and rank, each load's links
+    and phase seconds)."""
+    ranks = run_ranks(
+        _worker,
+        cfg.world_size,
+        cfg,
+        root,
+        configs,
+        schedule,
+        restore_runs,
+        repeats,
+        timeout_s=3600,
+    )
+    result: dict[str, Any] = {
+        "runs": ranks[0]["runs"],
+        "counts": {
+            name: np.sum([r["union_counts"][name] for r in ranks], axis=0) for name in configs
+        },
+        "rel_l2": ranks[0]["rel_l2"],
+    }
+    if restore_runs:
+        result["restore_s"] = {
+            name: np.max([r["restore_s"]["seconds"][name] for r in ranks], axis=0).tolist()
+            for name in restore_runs
+        }
+        result["restore_phases"] = {
+            name: [r["restore_s"]["phases"][name] for r in ranks] for name in restore_runs
+        }
+    return result
 
 
 def _plots(runs: dict[str, list[dict[str, Any]]], codec: str, out: Path) -> list[Path]:
@@ -287,11 +417,12 @@ def _schedule_string(parents: list[int | None]) -> str:
     return "".join("F" if p is None else "d" if parents[p] is None else "i" for p in parents)
 
 
-def _oracle(
+def oracle_of(
     runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float, run: str
 ) -> dict[str, Any]:
-    """The best full / one-shot-diff schedule for run ``run``'s intervals, priced from its
-    measured checkpoints, beside that run's actual schedule (``intermittent_*`` keys)."""
+    """The best full / one-shot-diff schedule for run ``run``'s intervals, priced from the
+    measured checkpoints (fulls of every run in ``runs``, which must share ``run``'s codecs;
+    diffs of ``run``), beside that run's actual schedule (``intermittent_*`` keys)."""
     records = runs[run]
     diffs = [r for r in records if r["kind"] == "diff"]
     fulls = [r["bytes"] for run in runs.values() for r in run if r["kind"] == "full"]
@@ -305,11 +436,8 @@ def _oracle(
     parents = _parents(records)
     priced = schedule_bytes(parents, pricing.full_bytes, costs)
     actual = sum(r["bytes"] for r in records)
-    one_shot = runs["one_shot"]
-    predicted = counts[0, 1:]
-    measured = np.array([r["rows"] for r in one_shot[1:]])
     intervals = len(records)
-    return {
+    result = {
         "pricing": dataclasses.asdict(pricing),
         "schedule": _schedule_string(one_shot_parents(oracle_kinds)),
         "fulls": oracle_kinds.count("full"),
@@ -319,10 +447,38 @@ def _oracle(
         "intermittent_priced_bytes_per_interval": priced / intervals,
         "intermittent_priced_write_reduction_x": fp32 * intervals / priced,
         "intermittent_actual_write_reduction_x": fp32 * intervals / actual,
-        "one_shot_rows_model_max_rel_error": float(
-            np.max(np.abs(predicted - measured) / measured.clip(min=1))
-        ),
     }
+    if "one_shot" in runs:  # the rows model checked on the one-shot run's diffs
+        predicted = counts[0, 1:]
+        measured = np.array([r["rows"] for r in runs["one_shot"][1:]])
+        result["one_shot_rows_model_max_rel_error"] = float(
+            np.max(np.abs(predicted - measured) / measured.clip(min=1))
+        )
+    return result
+
+
+def policy_table(
+    runs: dict[str, list[dict[str, Any]]], rel_l2: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """Per run: bytes per interval and their reduction below a full fp32 checkpoint (the
+    ``full`` run's ``full_fp32_bytes``), fulls taken, bytes per written row, restored error."""
+    fp32 = runs["full"][0]["full_fp32_bytes"]
+    table = {}
+    for policy, records in runs.items():
+        mean_bytes = sum(r["bytes"] for r in records) / len(records)
+        table[policy] = {
+            "mean_bytes_per_interval": mean_bytes,
+            "write_reduction_x": fp32 / mean_bytes,
+            "storage_held_end_bytes": records[-1]["storage_held_bytes"],
+            "full_checkpoints": sum(r["kind"] == "full" for r in records),
+            "bytes_per_written_row": _rows_bytes_per_row(records),
+            "bytes_per_written_row_full": _rows_bytes_per_row(records, "full"),
+            "bytes_per_written_row_diff": _rows_bytes_per_row(records, "diff"),
+            "restored_rel_l2": sum(rel_l2[policy].values()) / len(rel_l2[policy]),
+            "restored_rel_l2_per_table": rel_l2[policy],
+            "byte_budget": {k: _kind_budget(records, k) for k in ("full", "diff")},
+        }
+    return table
 
 
 def main() -> None:
@@ -352,33 +508,20 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, checkpoint=checkpoint)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        root = args.keep or scratch
-        ranks = run_ranks(
-            _worker, cfg.world_size, cfg, root, args.intervals, args.every, timeout_s=3600
+        measured = measure(
+            cfg,
+            args.keep or scratch,
+            policy_configs(checkpoint),
+            Schedule(args.intervals, args.every),
         )
     runtime_s = time.perf_counter() - started
-    runs = ranks[0]["runs"]
-    counts = {p: np.sum([r["union_counts"][p] for r in ranks], axis=0) for p in POLICIES}
-    rel_l2 = ranks[0]["rel_l2"]
+    runs, counts, rel_l2 = measured["runs"], measured["counts"], measured["rel_l2"]
     fp32 = runs["full"][0]["full_fp32_bytes"]
     codec = f"{checkpoint.bits}-bit {checkpoint.codec}"
-    table = {}
+    table = policy_table(runs, rel_l2)
     for policy, records in runs.items():
-        mean_bytes = sum(r["bytes"] for r in records) / len(records)
-        table[policy] = {
-            "mean_bytes_per_interval": mean_bytes,
-            "write_reduction_x": fp32 / mean_bytes,
-            "storage_held_end_bytes": records[-1]["storage_held_bytes"],
-            "full_checkpoints": sum(r["kind"] == "full" for r in records),
-            "bytes_per_written_row": _rows_bytes_per_row(records),
-            "bytes_per_written_row_full": _rows_bytes_per_row(records, "full"),
-            "bytes_per_written_row_diff": _rows_bytes_per_row(records, "diff"),
-            "restored_rel_l2": sum(rel_l2[policy].values()) / len(rel_l2[policy]),
-            "restored_rel_l2_per_table": rel_l2[policy],
-            "byte_budget": {k: _kind_budget(records, k) for k in ("full", "diff")},
-        }
         print(
-            f"{policy:>13}: {mean_bytes / 1e6:8.2f} MB per interval "
+            f"{policy:>13}: {table[policy]['mean_bytes_per_interval'] / 1e6:8.2f} MB per interval "
             f"({table[policy]['write_reduction_x']:5.1f}x below fp32), "
             f"{table[policy]['full_checkpoints']} fulls, held at the end "
             f"{records[-1]['storage_held_bytes'] / 1e6:8.2f} MB, "
@@ -388,7 +531,7 @@ def main() -> None:
     # The oracle searches fulls and one-shot diffs: Check-N-Run's schedule space, which the
     # one-shot-only intermittent run shares (with incremental diffs allowed, one full and then
     # only incremental diffs would write least, whatever restores cost).
-    oracle = _oracle(runs, counts["intermittent_one_shot"], fp32, "intermittent_one_shot")
+    oracle = oracle_of(runs, counts["intermittent_one_shot"], fp32, "intermittent_one_shot")
     intermittent = table["intermittent"]
     summary = {
         "codec": codec,

@@ -37,11 +37,17 @@ class CheckpointConfig:
     """How checkpoints are taken and encoded.
 
     Attributes:
-        policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full) or
-            ``incremental`` (diffs against the previous checkpoint).
-        full_every: a full checkpoint every this many checkpoints (0: only the first one).
+        policy: ``full`` (every checkpoint full), ``one_shot`` (diffs against the last full),
+            ``incremental`` (diffs against the previous checkpoint) or ``intermittent`` (diffs,
+            and a full when its predictor says a full is cheaper).
+        full_every: a full checkpoint at the latest when the chain since the last full holds
+            this many checkpoints (0: no full is ever forced). None (the default) takes the
+            policy's own: 4 for ``one_shot`` and ``incremental``, off for ``intermittent``,
+            whose predictor decides when a full is cheaper (a value given there caps the
+            chain's length; the predictor may still take fulls sooner).
         policy_options: settings of the policy (``intermittent``: ``rule`` = ``cost`` or
-            ``checknrun``, ``restore_weight``).
+            ``checknrun``, ``restore_weight``, ``diffs`` = ``auto``, the default under ``cost``,
+            or ``one_shot``).
         expected_restores: if set, the bit width of quantizing codecs follows the restores the
             job expects (Check-N-Run: 2 bits for 1, 3 for 3, 4 for 20, 8 beyond), widening once
             more restores happened than planned; overrides ``bits``.
@@ -92,7 +98,7 @@ class CheckpointConfig:
     """
 
     policy: str = "one_shot"
-    full_every: int = 4
+    full_every: int | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     expected_restores: int | None = None
     keep_last: int = 0
@@ -124,7 +130,7 @@ class CheckpointConfig:
         if self.expected_restores is not None and self.expected_restores < 1:
             raise ConfigError(f"expected_restores must be >= 1, got {self.expected_restores}")
         for name in ("full_every", "write_retries", "retry_backoff_s", "pack_below_bytes"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline {self.pipeline!r} is not one of {PIPELINES}")

@@ -43,7 +43,7 @@ class PolicySettings(Protocol):
     @property
     def policy(self) -> str: ...
     @property
-    def full_every(self) -> int: ...
+    def full_every(self) -> int | None: ...
     @property
     def policy_options(self) -> Mapping[str, Any]: ...
 
@@ -104,15 +104,23 @@ class Decision:
 class Policy(abc.ABC):
     """Decides the kind of each checkpoint.
 
+    ``full_every``: a full checkpoint at the latest once the chain since the last full holds
+    this many checkpoints (0: never forced); None takes the policy's own
+    :attr:`default_full_every`. It is checked before the policy decides, so it only ever forces
+    a full: for a policy that decides fulls itself (``intermittent``) it is a cap on chain
+    length, never the rule.
+
     ``mixes_diffs``: whether one-shot diffs may be followed by incremental ones (the writer
     then keeps what such a chain reconstructs, for additive codecs).
     """
 
     name: str
     mixes_diffs: bool = False
+    default_full_every: int = 0
+    """``full_every`` when the settings leave it None."""
 
-    def __init__(self, full_every: int = 0) -> None:
-        self.full_every = full_every
+    def __init__(self, full_every: int | None = None) -> None:
+        self.full_every = self.default_full_every if full_every is None else full_every
 
     def decide(self, stats: PolicyInput) -> Decision:
         if not stats.history:
@@ -139,6 +147,7 @@ class OneShotPolicy(Policy):
     """Diffs hold every row changed since the last full checkpoint: restore reads two."""
 
     name = "one_shot"
+    default_full_every = 4  # a one-shot diff regrows towards a full; nothing else bounds it
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         return Decision(
@@ -150,6 +159,7 @@ class IncrementalPolicy(Policy):
     """Diffs hold the rows changed since the previous checkpoint: restore reads the chain."""
 
     name = "incremental"
+    default_full_every = 4  # restores read the whole chain; nothing else bounds it
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         return Decision(Kind.DIFF, base=DiffBase.PREVIOUS, reason="rows changed since the previous")
@@ -206,28 +216,32 @@ class IntermittentPolicy(Policy):
     bytes restores would read (a longer-grown diff makes every restore slower; the weight is the
     expected restores per checkpoint times the relative cost of a byte read at restore).
 
-    ``diffs="one_shot"`` (the default) writes Check-N-Run's one-shot diffs only. ``diffs="auto"``
-    (``rule="cost"`` only) prices both kinds for the next diff, as written bytes plus
-    ``restore_weight`` times the bytes a restore of the resulting chain reads: a one-shot diff
-    (every row changed since the full; restores read the full and it) or an incremental one (the
-    rows changed since the previous checkpoint; restores read the whole chain), and takes the
-    cheaper. Where rows keep changing (early training) a one-shot diff soon re-writes most of
-    what earlier ones held, and incremental diffs write a fraction of it; the restore term
-    bounds the chain, since a full then becomes the cheaper forecast.
+    ``diffs="one_shot"`` writes Check-N-Run's one-shot diffs only. ``diffs="auto"`` (the default
+    with ``rule="cost"``; ``checknrun`` takes one-shot diffs only) prices both kinds for the
+    next diff, as written bytes plus ``restore_weight`` times the bytes a restore of the
+    resulting chain reads: a one-shot diff (every row changed since the full; restores read the
+    full and it) or an incremental one (the rows changed since the previous checkpoint; restores
+    read the whole chain), and takes the cheaper. Where rows keep changing (early training) a
+    one-shot diff soon re-writes most of what earlier ones held, and incremental diffs write a
+    fraction of it; the restore term bounds the chain, since a full then becomes the cheaper
+    forecast.
     """
 
     name = "intermittent"
+    default_full_every = 0  # the predictor decides; an explicit full_every caps the chain
 
     def __init__(
         self,
-        full_every: int = 0,
+        full_every: int | None = None,
         rule: str = "cost",
         restore_weight: float = 0.05,
-        diffs: str = "one_shot",
+        diffs: str | None = None,
     ) -> None:
         super().__init__(full_every)
         if rule not in ("cost", "checknrun"):
             raise ConfigError(f"intermittent rule {rule!r} is not 'cost' or 'checknrun'")
+        if diffs is None:
+            diffs = "auto" if rule == "cost" else "one_shot"
         if diffs not in ("one_shot", "auto") or (diffs == "auto" and rule != "cost"):
             raise ConfigError(
                 f"intermittent diffs {diffs!r}: 'one_shot', or 'auto' with the 'cost' rule"

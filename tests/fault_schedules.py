@@ -58,7 +58,10 @@ POLICIES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("full", {"policy": "full"}),
     ("one_shot", {"policy": "one_shot", "full_every": 4}),
     ("incremental", {"policy": "incremental", "full_every": 5}),
-    ("intermittent", {"policy": "intermittent", "full_every": 0}),
+    (
+        "intermittent",  # Check-N-Run's one-shot diffs (diffs: auto is the default since issue 22)
+        {"policy": "intermittent", "full_every": 0, "policy_options": {"diffs": "one_shot"}},
+    ),
     (
         "intermittent-auto",
         {"policy": "intermittent", "full_every": 0, "policy_options": {"diffs": "auto"}},

@@ -77,3 +77,34 @@ def test_budget_parts_add_up_to_the_files_and_huffman_bits_are_exact() -> None:
     # Each row's bit string is byte-aligned: less than a byte of padding per row.
     assert coded <= payload_bytes < coded + rows
     assert budget["rows"] == rows
+
+
+def test_the_family_spans_the_issue_s_ranges_and_measures_the_defaults() -> None:
+    """benchmarks/family.py: workloads spanning Zipf 1.0-1.4, 10k to 10M rows per table, 16 to
+    128 columns, short and long intervals and a warm start; its ``default`` run is the headline
+    setting with nothing else set, its ``before`` run the defaults before issue 22."""
+    from family import FAMILY, settings
+
+    from embckpt.config import CheckpointConfig
+    from embckpt.policy import make_policy
+
+    assert len(FAMILY) >= 6
+    assert {min(m.alpha for m in FAMILY), max(m.alpha for m in FAMILY)} == {1.0, 1.4}
+    tables = [n for m in FAMILY for n in m.cardinalities()]
+    assert all(len(m.cardinalities()) == 8 for m in FAMILY)
+    assert max(tables) == 10_000_000 and any(m.equal and m.rows // 8 == 10_000 for m in FAMILY)
+    assert {min(m.dim for m in FAMILY), max(m.dim for m in FAMILY)} == {16, 128}
+    assert any(m.warmup >= 500 for m in FAMILY)
+    assert max(m.every for m in FAMILY) >= 20 * min(m.every for m in FAMILY)
+    configs = settings(["log8={optimizer_codec: log8}"])
+    headline = CheckpointConfig(policy="intermittent", codec="adaptive", bits=4, keep_last=1)
+    assert configs["default"] == headline
+    before = make_policy(configs["before"])
+    assert (before.full_every, before.diffs, configs["before"].optimizer_codec) == (
+        4,
+        "one_shot",
+        "raw",
+    )
+    assert make_policy(configs["intermittent_one_shot"]).diffs == "one_shot"
+    assert configs["candidate_log8"].optimizer_codec == "log8"
+    assert configs["full"].policy == "full"

@@ -101,7 +101,7 @@ def test_defaults_and_field_names_are_unchanged() -> None:
     (``True == 1``): YAML files and callers name these, so a change must be deliberate."""
     expected = [
         ("policy", "one_shot"),
-        ("full_every", 4),
+        ("full_every", None),
         ("policy_options", {}),
         ("expected_restores", None),
         ("keep_last", 0),

@@ -52,13 +52,13 @@ def test_checknrun_rule_takes_a_full_when_f_le_i() -> None:
 
 
 def test_cost_rule_looks_ahead_and_weighs_restores() -> None:
-    writes_only = IntermittentPolicy(rule="cost", restore_weight=0.0)
+    writes_only = IntermittentPolicy(rule="cost", restore_weight=0.0, diffs="one_shot")
     # The tracker says the next diff will be 0.45 of the model: I = 4 * .45 = 1.8 > F = 1.6.
     assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.45) is Kind.FULL
     # A next diff of .35 keeps the chain going (I = 1.4 < 1.6) ...
     assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.DIFF
     # ... unless restores matter: keep reads 4 * 1.35 = 5.4, full 4 + .6 = 4.6 per restore.
-    restores_matter = IntermittentPolicy(rule="cost", restore_weight=0.5)
+    restores_matter = IntermittentPolicy(rule="cost", restore_weight=0.5, diffs="one_shot")
     assert _decide(restores_matter, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.FULL
 
 
@@ -70,7 +70,7 @@ def test_intermittent_starts_with_a_full_then_a_diff() -> None:
 
 def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> None:
     auto = IntermittentPolicy(restore_weight=0.05, diffs="auto")
-    assert auto.mixes_diffs and not IntermittentPolicy().mixes_diffs
+    assert auto.mixes_diffs and not IntermittentPolicy(diffs="one_shot").mixes_diffs
 
     def decide(n_diffs: int, since_full: float, chain: float):
         # Incremental diffs of 0.05 each (0.05 of the rows), one-shot ones would hold since_full.
@@ -91,6 +91,20 @@ def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> 
     writes_only = IntermittentPolicy(restore_weight=0.0, diffs="auto")
     stats = PolicyInput(99, 0.05, 0.6, _history([0.05] * 30), 2500)
     assert writes_only.decide(stats).kind is Kind.DIFF
+
+
+def test_intermittent_diffs_default_to_auto_under_the_cost_rule_only() -> None:
+    """Both kinds priced by default (issue 22: one-shot diffs only cannot beat the one-shot
+    oracle); Check-N-Run's published rule keeps its one-shot diffs."""
+    assert IntermittentPolicy().diffs == "auto" and IntermittentPolicy().mixes_diffs
+    checknrun = make_policy(
+        CheckpointConfig(policy="intermittent", policy_options={"rule": "checknrun"})
+    )
+    assert checknrun.diffs == "one_shot" and not checknrun.mixes_diffs
+    explicit = make_policy(
+        CheckpointConfig(policy="intermittent", policy_options={"diffs": "one_shot"})
+    )
+    assert explicit.diffs == "one_shot"
 
 
 def test_policy_options_are_checked() -> None:

@@ -50,6 +50,50 @@ def test_full_every_k(policy: str) -> None:
     assert kinds == [Kind.DIFF, Kind.DIFF, Kind.FULL]
 
 
+def _kinds(config: CheckpointConfig, chain_lengths: range) -> list[Kind]:
+    """The decisions of ``config``'s policy after a full and ``n - 1`` small diffs, for each
+    ``n``: diffs so small that the intermittent predictor never wants a full."""
+    policy = make_policy(config)
+    history = (HistoryEntry(step=0, kind="full", bytes=10**6, dirty_fraction=1.0),)
+    kinds = []
+    for n in chain_lengths:
+        diffs = tuple(HistoryEntry(10 * i, "diff", 100, 0.0001) for i in range(1, n))
+        kinds.append(policy.decide(PolicyInput(100, 0.0001, 0.0001, history + diffs)).kind)
+    return kinds
+
+
+def test_the_intermittent_predictor_decides_by_default() -> None:
+    """``full_every`` left unset forces no full under ``intermittent`` (before issue 22 it was
+    4, so every 4th checkpoint was full whatever the predictor said); one-shot and incremental
+    policies keep their 4."""
+    config = CheckpointConfig(policy="intermittent")
+    assert config.full_every is None and make_policy(config).full_every == 0
+    assert _kinds(config, range(1, 30)) == [Kind.DIFF] * 29
+    for policy in ("one_shot", "incremental"):
+        assert make_policy(CheckpointConfig(policy=policy)).full_every == 4
+        assert _kinds(CheckpointConfig(policy=policy), range(1, 6)) == [
+            Kind.DIFF,
+            Kind.DIFF,
+            Kind.DIFF,
+            Kind.FULL,
+            Kind.FULL,
+        ]
+
+
+def test_an_explicit_full_every_caps_the_intermittent_chain() -> None:
+    config = CheckpointConfig(policy="intermittent", full_every=6)
+    assert _kinds(config, range(1, 8)) == [Kind.DIFF] * 5 + [Kind.FULL] * 2
+    # 0 is off for every policy.
+    assert _kinds(CheckpointConfig(policy="one_shot", full_every=0), range(1, 9)) == [Kind.DIFF] * 8
+
+
+def test_full_every_none_and_negative_values() -> None:
+    with pytest.raises(ConfigError, match="full_every must be >= 0"):
+        CheckpointConfig(full_every=-1)
+    with pytest.raises(ConfigError, match="full_every: expected an integer"):
+        CheckpointConfig(full_every="4")  # type: ignore[arg-type]
+
+
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ConfigError, match="policy 'nope'"):
         CheckpointConfig(policy="nope")

@@ -1,0 +1,345 @@
+"""What the headline setting gives by default on workloads its defaults were not tuned on.
+
+The headline setting is ``CheckpointConfig(policy="intermittent", codec="adaptive", bits=4)``
+with every other field left at the library's default (the README's example; ``keep_last=1``
+here, so storage held is the latest chain). Each workload of :data:`FAMILY` (8 Zipf-skewed
+tables; Zipf exponent 1.0 to 1.4; 10k to 10M rows; 16 to 128 columns; 2 to 100 steps per
+interval; one starting after 600 steps of training) trains the same deterministic run once per
+setting, on 2 gloo ranks, with ``benchmarks/policies.py``'s worker:
+
+* ``full``: every checkpoint full with the default's codecs: whole-row 4-bit codes, the
+  restored error to match, and the full restore;
+* ``default``: the headline setting as a user gets it;
+* ``before``: the same with the defaults it had before issue 22 (``full_every=4``,
+  ``diffs: one_shot``, lossless optimizer state), given explicitly (``--no-before`` skips it);
+* ``intermittent_one_shot``: the default with Check-N-Run's one-shot diffs only, beside the
+  best full / one-shot schedule knowing the future (``oracle.py``; the same schedule space);
+* ``candidate_NAME`` (with ``--candidate NAME=MAPPING``): the headline setting with the
+  mapping's fields (to choose defaults from evidence).
+
+Per workload: the measured touched fraction per interval, write reduction (bytes per interval
+against a full fp32 checkpoint) and storage reduction (keeping every fp32 full against the
+latest chain) of ``default`` and ``before``, the oracle's, the one-shot predictor's share of
+it, bytes per written diff row, restored relative L2 against whole-row 4-bit codes, and the
+time to restore the default's final chain against the ``full`` run's final full (the same
+training state), slowest rank, best of ``--repeats`` interleaved rounds. Writes
+``benchmarks/results/family.json``: ``{machine, results: [...], summary: {...}}``.
+
+Run: ``python benchmarks/family.py [--quick] [--only NAME]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import write_result  # noqa: E402
+from oracle import Pricing, best_schedule, schedule_bytes  # noqa: E402
+from policies import Schedule, measure, oracle_of, policy_table  # noqa: E402
+
+from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
+from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
+
+HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits": 4}
+"""The README's headline setting; every field it does not name is the library's default."""
+BEFORE: dict[str, Any] = {
+    "full_every": 4,
+    "policy_options": {"diffs": "one_shot"},
+    "optimizer_codec": "raw",
+}
+"""The defaults the headline setting had before issue 22, where they differ from today's."""
+SHARES = (0.33, 0.22, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02)
+"""How a workload's rows split over its 8 tables (a few large tables, a tail of small ones)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One workload of the family: 8 tables of ``rows`` rows in all (``largest``: the first
+    table alone has this many, the others split ``rows``; ``equal``: 8 tables alike), ``dim``
+    columns, ids drawn with Zipf exponent ``alpha``, ``batch`` samples per rank and step, a
+    checkpoint every ``every`` steps after ``warmup`` steps of training."""
+
+    name: str
+    rows: int
+    dim: int
+    alpha: float
+    batch: int
+    every: int
+    intervals: int
+    warmup: int = 0
+    largest: int | None = None
+    equal: bool = False
+
+    def cardinalities(self) -> tuple[int, ...]:
+        if self.equal:
+            return (self.rows // len(SHARES),) * len(SHARES)
+        shares = SHARES[1:] if self.largest else SHARES
+        split = np.maximum(np.round(np.array(shares) / sum(shares) * self.rows), 4)
+        head = (self.largest,) if self.largest else ()
+        return (*head, *(int(n) for n in split))
+
+    def demo_config(self, world_size: int) -> DemoConfig:
+        steps = self.warmup + self.every * self.intervals
+        workload = WorkloadConfig(
+            cardinalities=self.cardinalities(),
+            embedding_dim=self.dim,
+            zipf_alpha=self.alpha,
+            batch_size=self.batch,
+            # One epoch covers the run (a sample is seen once), within 400k generated samples.
+            num_samples=min(steps * self.batch * world_size, 400_000),
+            dense_arch=(64, self.dim),
+            over_arch=(64, 1),
+        )
+        return DemoConfig(workload=workload, world_size=world_size)
+
+
+FAMILY = (
+    Member("zipf1.0_dim32", rows=600_000, dim=32, alpha=1.0, batch=256, every=10, intervals=16),
+    Member("zipf1.4_dim64", rows=1_200_000, dim=64, alpha=1.4, batch=512, every=20, intervals=16),
+    Member(
+        "rows10k_dim128",
+        rows=80_000,
+        dim=128,
+        alpha=1.1,
+        batch=512,
+        every=10,
+        intervals=16,
+        equal=True,
+    ),
+    Member(
+        "rows10M_dim16",
+        rows=200_000,
+        largest=10_000_000,
+        dim=16,
+        alpha=1.0,
+        batch=1024,
+        every=40,
+        intervals=10,
+    ),
+    Member("long_interval", rows=300_000, dim=64, alpha=1.2, batch=128, every=100, intervals=10),
+    Member("short_interval", rows=300_000, dim=16, alpha=1.1, batch=256, every=3, intervals=20),
+    Member(
+        "warm_start",
+        rows=1_200_000,
+        dim=64,
+        alpha=1.1,
+        batch=512,
+        every=20,
+        intervals=16,
+        warmup=600,
+    ),
+    Member("dim128", rows=200_000, dim=128, alpha=1.05, batch=256, every=10, intervals=16),
+)
+
+
+def settings(candidates: list[str]) -> dict[str, CheckpointConfig]:
+    """The runs' checkpoint settings; each of ``candidates`` (``NAME=MAPPING``, the mapping in
+    YAML) adds run ``candidate_NAME``: the headline setting with the mapping's fields."""
+    default = from_mapping(CheckpointConfig, {**HEADLINE, "keep_last": 1}, "headline")
+    options = {**default.policy_options, "diffs": "one_shot"}
+    configs = {
+        "full": dataclasses.replace(default, policy="full", policy_options={}),
+        "default": default,
+        "before": dataclasses.replace(default, **BEFORE),
+        "intermittent_one_shot": dataclasses.replace(default, policy_options=options),
+    }
+    for candidate in candidates:
+        name, _, mapping = candidate.partition("=")
+        changed = yaml.safe_load(mapping) or {}
+        configs[f"candidate_{name.strip()}"] = from_mapping(
+            CheckpointConfig, {**HEADLINE, "keep_last": 1, **changed}, f"candidate {name}"
+        )
+    return configs
+
+
+def _schedule_string(records: list[dict[str, Any]]) -> str:
+    kinds = {r["step"]: r["kind"] for r in records}
+    return "".join(
+        "F" if r["kind"] == "full" else "d" if kinds[r["parent_step"]] == "full" else "i"
+        for r in records
+    )
+
+
+def _before_last_full(
+    records: list[dict[str, Any]], counts: np.ndarray, pricing: dict[str, float]
+) -> float | None:
+    """The one-shot predictor's bytes against the best schedule's over the intervals before its
+    last full (None if it took only the first): a run cut short ends the oracle's schedule
+    there too, so a full the predictor takes for intervals the run never reaches counts against
+    it in ``predictor_vs_oracle``; here both cover the same finished chains."""
+    last = max(t for t, r in enumerate(records) if r["kind"] == "full")
+    if last == 0:
+        return None
+    price = Pricing(**pricing)
+    costs = price.diff_costs(counts[:last, :last])
+    fulls = [t for t, r in enumerate(records[:last]) if r["kind"] == "full"]
+    parents = [None if t in fulls else max(f for f in fulls if f < t) for t in range(last)]
+    predictor = schedule_bytes(parents, price.full_bytes, costs)
+    best, _ = best_schedule(price.full_bytes, costs)
+    return best / predictor
+
+
+def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int) -> dict[str, Any]:
+    """Runs every setting of ``configs`` on ``member`` and returns its row of the family."""
+    cfg = member.demo_config(world_size=2)
+    schedule = Schedule(member.intervals, member.every, member.warmup)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        measured = measure(cfg, root, configs, schedule, ("full", "default"), repeats)
+    runs, counts, rel_l2 = measured["runs"], measured["counts"], measured["rel_l2"]
+    table = policy_table(runs, rel_l2)
+    fp32 = runs["full"][0]["full_fp32_bytes"]
+    keep_all_fp32 = fp32 * member.intervals
+    # Fulls priced from the two runs with the one-shot run's own codecs.
+    oracle = oracle_of(
+        {k: runs[k] for k in ("full", "intermittent_one_shot")},
+        counts["intermittent_one_shot"],
+        fp32,
+        "intermittent_one_shot",
+    )
+    restore = measured["restore_s"]
+    full_s, chain_s = min(restore["full"]), min(restore["default"])
+    links = measured["restore_phases"]["default"][0][0]["links"]
+    per_run = {
+        name: {
+            "write_reduction_x": table[name]["write_reduction_x"],
+            "storage_reduction_x": keep_all_fp32 / runs[name][-1]["storage_held_bytes"],
+            "full_checkpoints": table[name]["full_checkpoints"],
+            "bytes_per_written_row_diff": table[name]["bytes_per_written_row_diff"],
+            "restored_rel_l2": table[name]["restored_rel_l2"],
+            "schedule": _schedule_string(runs[name]),
+            "checkpoints": [
+                {k: r[k] for k in ("step", "kind", "parent_step", "bytes", "rows", "rows_bytes")}
+                for r in runs[name]
+            ],
+        }
+        for name in configs
+    }
+    default = per_run["default"]
+    one_shot_x = per_run["intermittent_one_shot"]["write_reduction_x"]
+    touched = [r["touched_fraction"] for r in runs["full"][1:]]
+    row = {
+        "workload": member.name,
+        "member": dataclasses.asdict(member),
+        "cardinalities": list(member.cardinalities()),
+        "total_rows": sum(member.cardinalities()),
+        "touched_fraction": statistics.mean(touched),
+        "touched_fraction_range": [min(touched), max(touched)],
+        "full_fp32_bytes": fp32,
+        "write_reduction_x": default["write_reduction_x"],
+        "storage_reduction_x": default["storage_reduction_x"],
+        "before_write_reduction_x": per_run.get("before", {}).get("write_reduction_x"),
+        "before_storage_reduction_x": per_run.get("before", {}).get("storage_reduction_x"),
+        "oracle_write_reduction_x": oracle["write_reduction_x"],
+        "one_shot_intermittent_write_reduction_x": one_shot_x,
+        "predictor_vs_oracle": one_shot_x / oracle["write_reduction_x"],
+        "predictor_vs_oracle_before_last_full": _before_last_full(
+            runs["intermittent_one_shot"], counts["intermittent_one_shot"], oracle["pricing"]
+        ),
+        "bytes_per_written_row": default["bytes_per_written_row_diff"],
+        "restored_rel_l2": default["restored_rel_l2"],
+        "whole_row_rel_l2": per_run["full"]["restored_rel_l2"],
+        "rel_l2_vs_whole_row": default["restored_rel_l2"] / per_run["full"]["restored_rel_l2"],
+        "chain_restore_s": chain_s,
+        "full_restore_s": full_s,
+        "chain_vs_full_restore": chain_s / full_s,
+        "chain_links": links,
+        "restore_s_per_extra_link": (chain_s - full_s) / max(links - 1, 1),
+        "restore_s": restore,
+        "restore_phases": measured["restore_phases"],
+        "byte_budget": table["default"]["byte_budget"],
+        "oracle": oracle,
+        "runs": per_run,
+        "runtime_s": time.perf_counter() - started,
+    }
+    print(
+        f"{member.name:>15}: touched {row['touched_fraction']:.3f}, default "
+        f"{row['write_reduction_x']:.1f}x ({default['schedule']}), before "
+        f"{row['before_write_reduction_x'] or float('nan'):.1f}x, oracle "
+        f"{row['oracle_write_reduction_x']:.1f}x, one-shot {one_shot_x:.1f}x "
+        f"({row['predictor_vs_oracle']:.3f}), storage {row['storage_reduction_x']:.1f}x, "
+        f"{row['bytes_per_written_row']:.1f} B/row, rel l2 {row['restored_rel_l2']:.4f} vs "
+        f"{row['whole_row_rel_l2']:.4f}, restore {chain_s:.3f} s vs {full_s:.3f} s "
+        f"({row['chain_vs_full_restore']:.2f}x), {row['runtime_s']:.0f} s",
+        flush=True,
+    )
+    for name, run in per_run.items():
+        if name.startswith("candidate_"):
+            print(
+                f"{'':>17}{name}: {run['write_reduction_x']:.1f}x ({run['schedule']}), "
+                f"{run['bytes_per_written_row_diff'] or 0:.1f} B/row, rel l2 "
+                f"{run['restored_rel_l2']:.4f}",
+                flush=True,
+            )
+    return row
+
+
+def quick(member: Member) -> Member:
+    """Half the intervals (at least 8); the warm-up stays."""
+    return dataclasses.replace(member, intervals=max(8, member.intervals // 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer intervals, shorter warm-up")
+    parser.add_argument("--only", action="append", default=[], help="run these workloads only")
+    parser.add_argument("--repeats", type=int, default=5, help="restore rounds (best is kept)")
+    parser.add_argument("--no-before", action="store_true", help="skip the old defaults' run")
+    parser.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        metavar="NAME=MAPPING",
+        help="also run the headline setting with these fields (a YAML mapping), as "
+        "'candidate_NAME', e.g. 'log8={optimizer_codec: log8}'",
+    )
+    parser.add_argument("--name", default="family", help="result file name")
+    args = parser.parse_args()
+    configs = settings(args.candidate)
+    if args.no_before:
+        del configs["before"]
+    members = [m for m in FAMILY if not args.only or m.name in args.only]
+    started = time.perf_counter()
+    results = [evaluate(quick(m) if args.quick else m, configs, args.repeats) for m in members]
+    summary = {
+        "min_write_reduction_x": min(r["write_reduction_x"] for r in results),
+        "min_predictor_vs_oracle": min(r["predictor_vs_oracle"] for r in results),
+        "max_chain_vs_full_restore": max(r["chain_vs_full_restore"] for r in results),
+        "min_predictor_vs_oracle_before_last_full": min(
+            (r["predictor_vs_oracle_before_last_full"] or 1.0) for r in results
+        ),
+        "max_rel_l2_vs_whole_row": max(r["rel_l2_vs_whole_row"] for r in results),
+        "min_storage_reduction_x": min(r["storage_reduction_x"] for r in results),
+        "touched_fraction_range": [
+            min(r["touched_fraction"] for r in results),
+            max(r["touched_fraction"] for r in results),
+        ],
+        "runtime_s": time.perf_counter() - started,
+    }
+    path = write_result(
+        args.name,
+        {
+            "args": vars(args),
+            "default_config": dataclasses.asdict(configs["default"]),
+            "settings": {k: dataclasses.asdict(v) for k, v in configs.items()},
+            "results": results,
+            "summary": summary,
+        },
+    )
+    print(summary)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
