@@ -11,9 +11,11 @@ setting, on 2 gloo ranks, with ``benchmarks/policies.py``'s worker:
   restored error to match, and the full restore;
 * ``default``: the headline setting as a user gets it;
 * ``before``: the same with the defaults it had before issue 22 (``full_every=4``,
-  ``diffs: one_shot``, lossless optimizer state), given explicitly (``--no-before`` skips it);
-* ``intermittent_one_shot``: the default with Check-N-Run's one-shot diffs only, beside the
-  best full / one-shot schedule knowing the future (``oracle.py``; the same schedule space);
+  ``diffs: one_shot``, no ``max_chain`` bound, lossless optimizer state), given explicitly
+  (``--no-before`` skips it);
+* ``intermittent_one_shot``: the default with Check-N-Run's one-shot diffs only and no
+  ``max_chain`` bound (the predictor alone), beside the best full / one-shot schedule knowing
+  the future (``oracle.py``; the same schedule space);
 * ``candidate_NAME`` (with ``--candidate NAME=MAPPING``): the headline setting with the
   mapping's fields (to choose defaults from evidence).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -55,7 +58,7 @@ HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits
 """The README's headline setting; every field it does not name is the library's default."""
 BEFORE: dict[str, Any] = {
     "full_every": 4,
-    "policy_options": {"diffs": "one_shot"},
+    "policy_options": {"diffs": "one_shot", "max_chain": math.inf},
     "optimizer_codec": "raw",
 }
 """The defaults the headline setting had before issue 22, where they differ from today's."""
@@ -147,7 +150,8 @@ def settings(candidates: list[str]) -> dict[str, CheckpointConfig]:
     """The runs' checkpoint settings; each of ``candidates`` (``NAME=MAPPING``, the mapping in
     YAML) adds run ``candidate_NAME``: the headline setting with the mapping's fields."""
     default = from_mapping(CheckpointConfig, {**HEADLINE, "keep_last": 1}, "headline")
-    options = {**default.policy_options, "diffs": "one_shot"}
+    # The predictor alone, in the oracle's schedule space: one-shot diffs, no restore bound.
+    options = {**default.policy_options, "diffs": "one_shot", "max_chain": math.inf}
     configs = {
         "full": dataclasses.replace(default, policy="full", policy_options={}),
         "default": default,

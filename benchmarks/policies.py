@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import tempfile
 import time
@@ -123,7 +124,8 @@ def policy_configs(checkpoint: CheckpointConfig) -> dict[str, CheckpointConfig]:
         if policy.startswith("intermittent"):
             options = dict(checkpoint.policy_options)
             if policy == "intermittent_one_shot":
-                options["diffs"] = "one_shot"
+                # The predictor alone, in the oracle's schedule space (no restore bound).
+                options.update(diffs="one_shot", max_chain=math.inf)
         configs[policy] = dataclasses.replace(
             checkpoint, policy=policy.removesuffix("_one_shot"), policy_options=options
         )

@@ -9,12 +9,16 @@ talking. New policies (the intermittent predictor) subclass :class:`Policy` and 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
 from embckpt.errors import ConfigError
+
+COST_MAX_CHAIN = 1.2
+"""The ``cost`` rule's bound on a restore's reads, in full checkpoints (``max_chain``)."""
 
 
 class HistoryRecord(Protocol):
@@ -225,6 +229,13 @@ class IntermittentPolicy(Policy):
     one-shot diff soon re-writes most of what earlier ones held, and incremental diffs write a
     fraction of it; the restore term bounds the chain, since a full then becomes the cheaper
     forecast.
+
+    ``max_chain`` bounds what a restore reads, whatever the prices: no diff is written that
+    would make a restore of the chain read more than ``max_chain`` times the last full's bytes
+    (a one-shot diff is tried when an incremental one would cross it, then a full). None takes
+    the rule's own: 1.2 under ``cost``, which keeps a restore of the latest checkpoint near 1.2x
+    a full restore (benchmarks/family.py measures both), and no bound under ``checknrun``, the
+    rule as published; ``float("inf")`` (YAML ``.inf``) lifts it.
     """
 
     name = "intermittent"
@@ -236,8 +247,18 @@ class IntermittentPolicy(Policy):
         rule: str = "cost",
         restore_weight: float = 0.05,
         diffs: str | None = None,
+        max_chain: float | None = None,
     ) -> None:
         super().__init__(full_every)
+        if max_chain is not None and not (
+            isinstance(max_chain, (int, float))
+            and not isinstance(max_chain, bool)
+            and max_chain > 1
+        ):
+            raise ConfigError(
+                f"intermittent max_chain must be a number above 1 (times a full's bytes), "
+                f"got {max_chain!r}"
+            )
         if rule not in ("cost", "checknrun"):
             raise ConfigError(f"intermittent rule {rule!r} is not 'cost' or 'checknrun'")
         if diffs is None:
@@ -250,18 +271,33 @@ class IntermittentPolicy(Policy):
         self.restore_weight = restore_weight if rule == "cost" else 0.0
         self.diffs = diffs
         self.mixes_diffs = diffs == "auto"
+        if max_chain is None:
+            max_chain = COST_MAX_CHAIN if rule == "cost" else math.inf
+        self.max_chain = float(max_chain)
+
+    def _fits(self, chain: float) -> bool:
+        """Whether a restore reading ``chain`` (in fulls) stays within ``max_chain``."""
+        return chain <= self.max_chain
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         if self.diffs == "auto":
             return self._decide_mixed(stats)
+        full_bytes = max(stats.history[0].bytes, 1)
+        last = stats.history[-1]
+        # Bytes per dirty fraction of the latest diff (the full's before any), times the
+        # fraction now dirty: the size the next one-shot diff will have.
+        rate = 1.0 if len(stats.history) < 2 else 0.0
+        if len(stats.history) >= 2 and last.dirty_fraction > 0:
+            rate = last.bytes / full_bytes / last.dirty_fraction
+        upcoming = rate * stats.dirty_since_full if rate > 0 else None
+        if upcoming is not None and not self._fits(1.0 + upcoming):
+            return Decision(
+                Kind.FULL, reason=f"restore bound: a diff would read {1.0 + upcoming:.2f} fulls"
+            )
         if len(stats.history) < 2:
             return Decision(Kind.DIFF, base=DiffBase.LAST_FULL, reason="first diff after a full")
-        upcoming = None
-        last = stats.history[-1]
-        if self.rule == "cost" and last.dirty_fraction > 0:
-            # Bytes per dirty fraction of the latest diff, times the fraction now dirty.
-            full_bytes = max(stats.history[0].bytes, 1)
-            upcoming = (last.bytes / full_bytes) * stats.dirty_since_full / last.dirty_fraction
+        if self.rule != "cost":
+            upcoming = None
         f = forecast(stats.history, upcoming)
         keep, full = f.keep_cost(self.restore_weight), f.full_cost(self.restore_weight)
         detail = f"keep {keep:.3f} vs full {full:.3f} over {f.horizon} checkpoints"
@@ -284,8 +320,14 @@ class IntermittentPolicy(Policy):
         incremental = rate * stats.dirty_since_last
         cost_one_shot = one_shot + w * (1.0 + one_shot)
         cost_incremental = incremental + w * (chain + incremental)
-        base = DiffBase.LAST_FULL if cost_one_shot <= cost_incremental else DiffBase.PREVIOUS
-        upcoming = min(cost_one_shot, cost_incremental)
+        priced = {DiffBase.LAST_FULL: cost_one_shot, DiffBase.PREVIOUS: cost_incremental}
+        reads = {DiffBase.LAST_FULL: 1.0 + one_shot, DiffBase.PREVIOUS: chain + incremental}
+        allowed = [b for b in (DiffBase.LAST_FULL, DiffBase.PREVIOUS) if self._fits(reads[b])]
+        if not allowed:
+            least = min(reads.values())
+            return Decision(Kind.FULL, reason=f"restore bound: a diff would read {least:.2f} fulls")
+        base = min(allowed, key=lambda b: priced[b])
+        upcoming = priced[base]
         # Check-N-Run's forecast over the next i + 1 checkpoints: keeping on costs at least the
         # next diff's price each time; a full now costs itself, then the diffs so far again
         # (priced as written, plus a restore reading the full and each).

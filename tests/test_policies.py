@@ -3,6 +3,7 @@ that never deletes what a kept checkpoint needs, and merged checkpoints that res
 
 from __future__ import annotations
 
+import math
 import random
 import tempfile
 
@@ -52,13 +53,15 @@ def test_checknrun_rule_takes_a_full_when_f_le_i() -> None:
 
 
 def test_cost_rule_looks_ahead_and_weighs_restores() -> None:
-    writes_only = IntermittentPolicy(rule="cost", restore_weight=0.0, diffs="one_shot")
+    # The prices alone: no bound on what a restore reads (test_max_chain_bounds_...).
+    unbounded = {"max_chain": math.inf, "diffs": "one_shot"}
+    writes_only = IntermittentPolicy(rule="cost", restore_weight=0.0, **unbounded)
     # The tracker says the next diff will be 0.45 of the model: I = 4 * .45 = 1.8 > F = 1.6.
     assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.45) is Kind.FULL
     # A next diff of .35 keeps the chain going (I = 1.4 < 1.6) ...
     assert _decide(writes_only, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.DIFF
     # ... unless restores matter: keep reads 4 * 1.35 = 5.4, full 4 + .6 = 4.6 per restore.
-    restores_matter = IntermittentPolicy(rule="cost", restore_weight=0.5, diffs="one_shot")
+    restores_matter = IntermittentPolicy(rule="cost", restore_weight=0.5, **unbounded)
     assert _decide(restores_matter, [0.1, 0.2, 0.3], dirty_now=0.35) is Kind.FULL
 
 
@@ -69,7 +72,8 @@ def test_intermittent_starts_with_a_full_then_a_diff() -> None:
 
 
 def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> None:
-    auto = IntermittentPolicy(restore_weight=0.05, diffs="auto")
+    # The prices alone: no bound on what a restore reads (test_max_chain_bounds_...).
+    auto = IntermittentPolicy(restore_weight=0.05, diffs="auto", max_chain=math.inf)
     assert auto.mixes_diffs and not IntermittentPolicy(diffs="one_shot").mixes_diffs
 
     def decide(n_diffs: int, since_full: float, chain: float):
@@ -88,9 +92,42 @@ def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> 
     # A long chain: restores would read it all; the forecast takes a full.
     assert decide(30, since_full=0.6, chain=2.5).kind is Kind.FULL
     # With restores weightless, keep-on writes less than a full for as long as in the replay.
-    writes_only = IntermittentPolicy(restore_weight=0.0, diffs="auto")
+    writes_only = IntermittentPolicy(restore_weight=0.0, diffs="auto", max_chain=math.inf)
     stats = PolicyInput(99, 0.05, 0.6, _history([0.05] * 30), 2500)
     assert writes_only.decide(stats).kind is Kind.DIFF
+
+
+def test_max_chain_bounds_what_a_restore_reads_whatever_the_prices() -> None:
+    """Under the cost rule, no diff makes a restore read more than 1.2 fulls by default: an
+    incremental diff that would cross it gives way to a one-shot one that fits, then to a
+    full; Check-N-Run's published rule has no bound."""
+    policy = IntermittentPolicy(restore_weight=0.0)
+    assert policy.max_chain == 1.2
+    assert IntermittentPolicy(rule="checknrun").max_chain == math.inf
+
+    def decide(policy: IntermittentPolicy, since_full: float, chain: float):
+        # Three incremental diffs of 0.05 (of the rows, and of the full's bytes) so far.
+        stats = PolicyInput(99, 0.05, since_full, _history([0.05] * 3), int(1000 * chain))
+        return policy.decide(stats)
+
+    # The chain reads 1.15 fulls: another incremental diff (1.20) still fits ...
+    assert decide(policy, 0.15, chain=1.15).base is DiffBase.PREVIOUS
+    # ... at 1.18 it would not (1.23): a one-shot diff of the rows changed since the full
+    # (1 + 0.15) is written instead, though it writes more ...
+    bounded = decide(policy, 0.15, chain=1.18)
+    assert (bounded.kind, bounded.base) == (Kind.DIFF, DiffBase.LAST_FULL)
+    assert decide(IntermittentPolicy(restore_weight=0.0, max_chain=2.0), 0.15, 1.18).base is (
+        DiffBase.PREVIOUS
+    )
+    # ... and when the one-shot diff would not fit either (1 + 0.25), a full.
+    full = decide(policy, 0.25, chain=1.18)
+    assert full.kind is Kind.FULL and "restore bound" in full.reason
+    # One-shot diffs only: the bound applies to the full plus the next diff.
+    one_shot = IntermittentPolicy(restore_weight=0.0, diffs="one_shot")
+    assert _decide(one_shot, [0.05, 0.1], dirty_now=0.15) is Kind.DIFF
+    assert _decide(one_shot, [0.05, 0.1], dirty_now=0.3) is Kind.FULL
+    with pytest.raises(ConfigError, match="max_chain must be a number above 1"):
+        IntermittentPolicy(max_chain=0.5)
 
 
 def test_intermittent_diffs_default_to_auto_under_the_cost_rule_only() -> None:
