@@ -122,16 +122,16 @@ def _canonical_reversed(lengths: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=256)
 def _decode_table(key: str) -> np.ndarray:
-    """Lookup table indexed by the next ``MAX_CODE_BITS`` bits: ``symbol | length << 8``
-    (length 0: no code starts with those bits)."""
+    """Lookup table indexed by the next ``MAX_CODE_BITS`` bits: ``length | symbol << 8``
+    (``NO_CODE`` where no code starts with those bits)."""
     lengths = lengths_from_hex(key)
     codes = _canonical_reversed(lengths)
-    entries = np.zeros(1 << MAX_CODE_BITS, dtype=np.uint16)
+    entries = np.full(1 << MAX_CODE_BITS, huffman_kernels.NO_CODE, dtype=np.uint16)
     for sym in np.flatnonzero(lengths).tolist():
         length = int(lengths[sym])
         # Every index whose low `length` bits are this code decodes to this symbol.
         index = codes[sym] + (np.arange(1 << (MAX_CODE_BITS - length)) << length)
-        entries[index] = sym | length << 8
+        entries[index] = length | sym << 8
     return entries
 
 
@@ -150,7 +150,7 @@ def _stacked(
     parts = [build(tables[t]) for t in used.tolist()]
     size = len(parts[0]) if parts else 0
     flat = np.ascontiguousarray(np.concatenate(parts)) if parts else np.zeros(0, np.uint32)
-    return flat, (block.astype(np.int64) * size).reshape(-1)
+    return flat, (block.astype(np.uint64) * np.uint64(size)).reshape(-1)
 
 
 def encode_rows(
@@ -205,7 +205,17 @@ def decode_rows(
         raise CodecError("Huffman row offsets fall outside their buffer")
     table, base = _stacked(_decode_table, tables, column_tables)
     buffer = np.ascontiguousarray(buffer, dtype=np.uint8)
-    if huffman_kernels.decode(buffer, offsets, table, base, out) >= 0:
+    # The kernel reads unchecked: rows too close to the buffer's end decode from a padded copy
+    # of the last rows' bytes.
+    span = huffman_kernels.read_span(len(column_tables))
+    fast = int(np.searchsorted(offsets[:-1], len(buffer) - span, side="right"))
+    bad = huffman_kernels.decode(buffer, offsets[: fast + 1], table, base, out[:fast]) >= 0
+    if fast < n:
+        start = int(offsets[fast])
+        tail = np.zeros(int(offsets[-1]) - start + span, dtype=np.uint8)
+        tail[: len(tail) - span] = buffer[start : offsets[-1]]
+        bad |= huffman_kernels.decode(tail, offsets[fast:] - start, table, base, out[fast:]) >= 0
+    if bad:
         raise CodecError("a Huffman-coded row is truncated or holds no code of its table")
     return out
 
@@ -273,13 +283,13 @@ def _histograms(data: np.ndarray, column_tables: np.ndarray) -> list[np.ndarray]
     """Byte counts per table; above ~1 MB from a row sample, with every byte value kept
     codable (a sample can miss a rare value the batch holds)."""
     groups = int(column_tables.max()) + 1 if len(column_tables) else 1
-    n = data.shape[0]
-    sample = data
-    if data.size > _SAMPLE_BYTES and n > 1:
-        sample = data[:: max(1, data.size // _SAMPLE_BYTES)]
-    index = sample.astype(np.int64) + (column_tables * _ALPHABET)[None, :]
-    counts = np.bincount(index.ravel(), minlength=groups * _ALPHABET).reshape(groups, _ALPHABET)
-    if sample is not data:
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    sampled = data.size > _SAMPLE_BYTES and data.shape[0] > 1
+    counts = np.zeros((groups, _ALPHABET), dtype=np.int64)
+    columns = np.ascontiguousarray(column_tables, dtype=np.int64)
+    step = max(1, data.size // _SAMPLE_BYTES) if sampled else 1
+    huffman_kernels.histograms(data, step, columns, counts)
+    if sampled:
         counts += 1
     return list(counts)
 
