@@ -74,7 +74,10 @@ def _cases() -> dict[str, tuple[np.ndarray, np.ndarray]]:
     # A steep distribution and rows of its rarest symbols only: four 12-bit codes per window.
     steep = np.minimum(rng.geometric(0.5, (4000, 40)) - 1, 29).astype(np.uint8)
     rare = np.tile(np.arange(12, 18, dtype=np.uint8), (3, 7))[:, :40]
-    out["long_codes"] = (np.ascontiguousarray(np.concatenate([steep, rare])), np.zeros(40, np.int64))
+    out["long_codes"] = (
+        np.ascontiguousarray(np.concatenate([steep, rare])),
+        np.zeros(40, np.int64),
+    )
     # Over the histogram sample threshold (1 MB): tables from a row sample.
     big = np.minimum(rng.geometric(0.1, (20000, 68)) - 1, 255).astype(np.uint8)
     out["sampled"] = (big, param_tables(64, 4))

@@ -39,8 +39,7 @@ def read_span(width: int) -> int:
     return (_CODE_BITS * width + 7) // 8 + 8
 
 
-@intrinsic
-def _load_u64(typingctx: object, array: types.Array, index: types.Integer) -> Any:
+def _load_typer(typingctx: object, array: types.Array, index: types.Integer) -> Any:
     """The eight bytes of a uint8 array at ``index`` as one little-endian uint64, unaligned."""
 
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list) -> Any:
@@ -51,8 +50,7 @@ def _load_u64(typingctx: object, array: types.Array, index: types.Integer) -> An
     return types.uint64(array, index), codegen
 
 
-@intrinsic
-def _store_u64(
+def _store_typer(
     typingctx: object, array: types.Array, index: types.Integer, value: types.Integer
 ) -> Any:
     """Writes ``value`` as eight little-endian bytes of a uint8 array at ``index``, unaligned."""
@@ -64,6 +62,11 @@ def _store_u64(
         return context.get_dummy_value()
 
     return types.void(array, index, types.uint64), codegen
+
+
+# Typed as Any: numba's stubs see an intrinsic's typer arguments, not its call's.
+_load_u64: Any = intrinsic(_load_typer)
+_store_u64: Any = intrinsic(_store_typer)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -98,8 +101,14 @@ def row_bits(data: np.ndarray, table: np.ndarray, base: np.ndarray, out: np.ndar
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _put(
-    data: np.ndarray, table: np.ndarray, base: np.ndarray, r: int, j: int, count: int,
-    acc: np.uint64, held: np.uint64,
+    data: np.ndarray,
+    table: np.ndarray,
+    base: np.ndarray,
+    r: int,
+    j: int,
+    count: int,
+    acc: np.uint64,
+    held: np.uint64,
 ) -> tuple[np.uint64, np.uint64]:
     """Appends the codes of ``data[r, j:j + count]`` (at most four) to the bit buffer."""
     for k in range(count):
@@ -136,8 +145,15 @@ def encode(
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _take(
-    buffer: np.ndarray, table: np.ndarray, base: np.ndarray, out: np.ndarray, r: int, j: int,
-    count: int, bit: np.uint64, flags: np.uint64,
+    buffer: np.ndarray,
+    table: np.ndarray,
+    base: np.ndarray,
+    out: np.ndarray,
+    r: int,
+    j: int,
+    count: int,
+    bit: np.uint64,
+    flags: np.uint64,
 ) -> tuple[np.uint64, np.uint64]:
     """Decodes ``out[r, j:j + count]`` (at most four symbols) from one window at ``bit``."""
     window = _load_u64(buffer, bit >> _U64(3)) >> (bit & _U64(7))
@@ -153,8 +169,12 @@ def _take(
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _decode_row(
-    buffer: np.ndarray, offsets: np.ndarray, table: np.ndarray, base: np.ndarray,
-    out: np.ndarray, r: int,
+    buffer: np.ndarray,
+    offsets: np.ndarray,
+    table: np.ndarray,
+    base: np.ndarray,
+    out: np.ndarray,
+    r: int,
 ) -> bool:
     """Decodes row ``r`` alone; whether it went wrong (see :func:`decode`)."""
     width = out.shape[1]
@@ -164,7 +184,7 @@ def _decode_row(
     for j in range(0, whole, 4):
         bit, flags = _take(buffer, table, base, out, r, j, 4, bit, flags)
     bit, flags = _take(buffer, table, base, out, r, whole, width - whole, bit, flags)
-    return (flags & _U64(NO_CODE)) != 0 or bit > _U64(offsets[r + 1]) << _U64(3)
+    return bool((flags & _U64(NO_CODE)) != 0 or bit > _U64(offsets[r + 1]) << _U64(3))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
