@@ -4,8 +4,9 @@ Contract: every row of a uint8 matrix [n, w] becomes its own byte-aligned bit st
 read alone (a row-range read of a Parquet file) decodes alone. Rows are independent chunks: a
 compiled kernel walks each row once with a 64-bit bit buffer (four codes per eight-byte load or
 store), and decoding runs four rows side by side so their table lookups overlap. Tables,
-validation and the bytes' layout stay here; the kernels wrote the same bytes as the numpy
-passes (one per two byte columns) they replaced, 4-6x faster (tests/test_huffman.py).
+validation and the bytes' layout stay here. The kernels write the same bytes as the numpy
+passes (one per two byte columns) they replaced (tests/test_huffman.py), 3-6x faster
+(README's codec speed table).
 
 Byte columns come in groups, each with its own code table: a codec groups the bytes that share
 a distribution (all packed codes; each byte of the per-row scale and bias; each byte position
