@@ -5,8 +5,8 @@ read alone (a row-range read of a Parquet file) decodes alone. Rows are independ
 compiled kernel walks each row once with a 64-bit bit buffer (four codes per eight-byte load or
 store), and decoding runs four rows side by side so their table lookups overlap. Tables,
 validation and the bytes' layout stay here. The kernels write the same bytes as the numpy
-passes (one per two byte columns) they replaced (tests/test_huffman.py), 3-6x faster
-(README's codec speed table).
+passes (one per two byte columns) they replaced (tests/test_huffman.py); README's codec speed
+table has their speeds.
 
 Byte columns come in groups, each with its own code table: a codec groups the bytes that share
 a distribution (all packed codes; each byte of the per-row scale and bias; each byte position
@@ -33,7 +33,7 @@ import numpy as np
 from embckpt.codecs import huffman_kernels
 from embckpt.errors import CodecError
 
-MAX_CODE_BITS = 12
+MAX_CODE_BITS = huffman_kernels.MAX_CODE_BITS
 _ALPHABET = 256
 _SAMPLE_BYTES = 1 << 20
 

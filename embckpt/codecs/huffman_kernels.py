@@ -11,8 +11,8 @@ code already bit-reversed for the LSB-first stream); decode entries are ``length
 (uint16) indexed by the next ``MAX_CODE_BITS`` bits, or ``NO_CODE`` for bits that start no
 code. Encode length 0 marks a byte value that has no code. Indices are unsigned (no negative
 index wraparound in the lookup chain). Streams are little-endian: bit ``i`` of a row is bit
-``i % 8`` of its byte ``i // 8``, read and written eight bytes at a time on a little-endian
-host (the only kind numba's CPU targets here run on).
+``i % 8`` of its byte ``i // 8``, read and written eight bytes at a time, which assumes a
+little-endian host.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-#: Longest code (huffman.MAX_CODE_BITS): a 64-bit window holds at least 57 unread bits after
-#: its byte-aligned load, enough for four codes, so the loops move four bytes per load/store.
-_CODE_BITS = 12
-_MASK = (1 << _CODE_BITS) - 1
+#: Longest code: a 64-bit window holds at least 57 unread bits after its byte-aligned load,
+#: enough for four codes, so the loops move four bytes per load/store.
+MAX_CODE_BITS = 12
+_MASK = (1 << MAX_CODE_BITS) - 1
 #: Decode entry of bits that start no code: length 0, a flag bit no length reaches.
 NO_CODE = 0x80
 _U64 = np.uint64
@@ -35,8 +35,8 @@ _U64 = np.uint64
 
 def read_span(width: int) -> int:
     """Bytes :func:`decode` may read from a row's start, valid or not: each symbol moves at
-    most ``_CODE_BITS`` bits and each window reads eight bytes."""
-    return (_CODE_BITS * width + 7) // 8 + 8
+    most ``MAX_CODE_BITS`` bits and each window reads eight bytes."""
+    return (MAX_CODE_BITS * width + 7) // 8 + 8
 
 
 def _load_typer(typingctx: object, array: types.Array, index: types.Integer) -> Any:
