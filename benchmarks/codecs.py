@@ -23,8 +23,10 @@ Run: ``.venv/bin/python benchmarks/codecs.py [--rows 131072]``
 
 ``--quick`` measures only the speed of the quantizing codecs' ``encode`` / ``decode`` (entropy
 ``none`` and ``huffman``; for ``adaptive`` also the range search alone and the encode up to its
-zstd-compressed Parquet file, the default stage), as the CPU time of the measuring thread
-(per-core figures on a shared machine), with each one's l2 error; it prints them, and with
+Parquet file, zstd-compressed (the default stage) and Huffman-coded; for ``huffman`` also the
+Huffman stage alone: tables, ``huffman.encode_rows`` and ``huffman.decode_rows`` on the codec's
+payload bytes), as the CPU time of the measuring thread (per-core figures on a shared machine),
+with each one's l2 error; it prints them, and with
 ``--write-speeds`` stores them as ``per_core_speeds`` in the results file.
 """
 
@@ -47,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # the codec round-
 from codec_roundtrip import encoded_bytes_per_row  # noqa: E402
 from common import RESULTS, write_result  # noqa: E402
 
-from embckpt.codecs import make_codec  # noqa: E402
+from embckpt.codecs import huffman, make_codec  # noqa: E402
+from embckpt.codecs.common import PAYLOAD, binary_buffers  # noqa: E402
 from embckpt.storage.rowfile_read import decode_file  # noqa: E402
 from embckpt.storage.rowfile_write import encode_file  # noqa: E402
 
@@ -177,10 +180,10 @@ def _cpu_time(fn: Any, reps: int) -> tuple[Any, float, float]:
 
 def per_core_speeds(rows: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     """Per-core speeds (thread CPU time) and errors of the quantizing codecs with entropy
-    ``none`` and ``huffman``, the adaptive search alone, and the adaptive encode with the
-    default stage (zstd) up to its compressed Parquet file."""
+    ``none`` and ``huffman``, the Huffman stage alone, the adaptive search alone, and the
+    adaptive encode up to its Parquet file with the default stage (zstd) and with Huffman."""
     fp32 = rows.numel() * 4 / 1e9
-    n, cols = rows.shape
+    cols = rows.shape[1]
     out = []
     for codec_id in ("symmetric", "asymmetric", "adaptive", "kmeans"):
         for bits in BITS:
@@ -203,17 +206,15 @@ def per_core_speeds(rows: torch.Tensor, reps: int) -> list[dict[str, Any]]:
                 if codec_id == "adaptive" and stage == "none":
                     row["search_gbps_per_core"] = round(fp32 / _search_time(codec, rows, reps), 3)
                     zstd = make_codec(codec_id, {"bits": bits})
-                    ids = np.arange(n, dtype=np.int64)
-                    meta = {"codec": zstd.get_config()}
-                    _, file_enc, _ = _cpu_time(
-                        lambda c=zstd, m=meta, ids=ids: encode_file(
-                            ids, c.encode(rows), {}, {}, m, ROW_GROUP
-                        ),
-                        reps,
-                    )
-                    row["zstd_file_encode_gbps_per_core"] = round(fp32 / file_enc, 3)
+                    row["zstd_file_encode_gbps_per_core"] = _file_encode(zstd, rows, reps)
+                if stage == "huffman":
+                    row.update(_huffman_stage(encoded, fp32, reps))
+                    if codec_id == "adaptive":
+                        row["file_encode_gbps_per_core"] = _file_encode(codec, rows, reps)
                 out.append(row)
-                extra = {k: v for k, v in row.items() if "search" in k or "zstd" in k}
+                extra = {
+                    k: v for k, v in row.items() if any(w in k for w in ("search", "file", "stage"))
+                }
                 print(
                     f"{codec_id:>10} {bits} {stage:>7} l2 {row['l2_error']:.6f}  "
                     f"enc {row['encode_gbps_per_core']:7.3f}  "
@@ -221,6 +222,36 @@ def per_core_speeds(rows: torch.Tensor, reps: int) -> list[dict[str, Any]]:
                     flush=True,
                 )
     return out
+
+
+def _file_encode(codec: Any, rows: torch.Tensor, reps: int) -> float:
+    """Best per-core speed (GB/s of the fp32 rows) of ``codec.encode`` plus its Parquet file
+    (compressed as the codec's entropy stage asks)."""
+    ids = np.arange(rows.shape[0], dtype=np.int64)
+    meta = {"codec": codec.get_config()}
+    _, best, _ = _cpu_time(
+        lambda: encode_file(ids, codec.encode(rows), {}, {}, meta, ROW_GROUP), reps
+    )
+    return round(rows.numel() * 4 / 1e9 / best, 3)
+
+
+def _huffman_stage(encoded: Any, fp32: float, reps: int) -> dict[str, float]:
+    """Best per-core speeds (GB/s of the fp32 rows) of the Huffman stage alone on an encoded
+    batch's payload: its tables (cache warm, as over a run) plus ``encode_rows``, and
+    ``decode_rows``."""
+    tables = [str(t) for t in encoded.metadata["huffman"]]
+    columns = huffman.columns_from_runs(encoded.metadata["huffman_columns"], len(tables))
+    offsets, buffer = binary_buffers(encoded.columns[PAYLOAD])
+    payload = huffman.decode_rows(buffer, offsets, tables, columns)
+    cache = huffman.TableCache()
+    _, enc, _ = _cpu_time(
+        lambda: huffman.encode_rows(payload, cache.tables_for(payload, columns), columns), reps
+    )
+    _, dec, _ = _cpu_time(lambda: huffman.decode_rows(buffer, offsets, tables, columns), reps)
+    return {
+        "stage_encode_gbps_per_core": round(fp32 / enc, 3),
+        "stage_decode_gbps_per_core": round(fp32 / dec, 3),
+    }
 
 
 def _search_time(codec: Any, rows: torch.Tensor, reps: int) -> float:
@@ -378,7 +409,10 @@ def main() -> None:
                     "Thread CPU time of one thread (GB/s of fp32 rows per core), best and median "
                     f"of {args.reps}, on {list(data['weights'].shape)} trained rows; "
                     "zstd_file_encode: encode plus the zstd-compressed Parquet file, the default "
-                    "stage; search: the adaptive range search alone. `uptime` load at the run: "
+                    "stage (file_encode: the same with Huffman); search: the adaptive range "
+                    "search alone; stage_*: the Huffman stage "
+                    "alone (tables, encode_rows / decode_rows on the payload bytes). `uptime` "
+                    "load at the run: "
                     f"{Path('/proc/loadavg').read_text().split()[:3]}"
                 ),
                 "results": speeds,

@@ -1,9 +1,12 @@
-"""Canonical Huffman coding of byte rows, vectorised with numpy.
+"""Canonical Huffman coding of byte rows; the row loops are compiled (huffman_kernels.py).
 
 Contract: every row of a uint8 matrix [n, w] becomes its own byte-aligned bit string, so a row
-read alone (a row-range read of a Parquet file) decodes alone, and decoding runs over all rows
-at once: one vectorised step per two byte columns, never a loop over rows (rows are the
-independent chunks that decoding parallelises over).
+read alone (a row-range read of a Parquet file) decodes alone. Rows are independent chunks: a
+compiled kernel walks each row once with a 64-bit bit buffer (four codes per eight-byte load or
+store), and decoding runs four rows side by side so their table lookups overlap. Tables,
+validation and the bytes' layout stay here. The kernels write the same bytes as the numpy
+passes (one per two byte columns) they replaced (tests/test_huffman.py); README's codec speed
+table has their speeds.
 
 Byte columns come in groups, each with its own code table: a codec groups the bytes that share
 a distribution (all packed codes; each byte of the per-row scale and bias; each byte position
@@ -23,16 +26,16 @@ from __future__ import annotations
 import functools
 import heapq
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from embckpt.codecs import huffman_kernels
 from embckpt.errors import CodecError
 
-MAX_CODE_BITS = 12
+MAX_CODE_BITS = huffman_kernels.MAX_CODE_BITS
 _ALPHABET = 256
 _SAMPLE_BYTES = 1 << 20
-_CHUNK_ROWS = 16384
 
 
 def code_lengths(counts: np.ndarray) -> np.ndarray:
@@ -121,74 +124,36 @@ def _canonical_reversed(lengths: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_table(key: str) -> tuple[np.ndarray, np.ndarray]:
-    """Lookup tables indexed by the next ``MAX_CODE_BITS`` bits: symbol and code length."""
+def _decode_table(key: str) -> np.ndarray:
+    """Lookup table indexed by the next ``MAX_CODE_BITS`` bits: ``length | symbol << 8``
+    (``NO_CODE`` where no code starts with those bits)."""
     lengths = lengths_from_hex(key)
     codes = _canonical_reversed(lengths)
-    symbols = np.zeros(1 << MAX_CODE_BITS, dtype=np.uint8)
-    sizes = np.zeros(1 << MAX_CODE_BITS, dtype=np.int64)
+    entries = np.full(1 << MAX_CODE_BITS, huffman_kernels.NO_CODE, dtype=np.uint16)
     for sym in np.flatnonzero(lengths).tolist():
         length = int(lengths[sym])
         # Every index whose low `length` bits are this code decodes to this symbol.
         index = codes[sym] + (np.arange(1 << (MAX_CODE_BITS - length)) << length)
-        symbols[index] = sym
-        sizes[index] = length
-    return symbols, sizes
+        entries[index] = length | sym << 8
+    return entries
 
 
 @functools.lru_cache(maxsize=256)
-def _byte_table(key: str) -> tuple[np.ndarray, np.ndarray]:
+def _encode_table(key: str) -> np.ndarray:
+    """Code and length of every byte value: ``code | length << 16`` (length 0: no code)."""
     lengths = lengths_from_hex(key).astype(np.int64)
-    return _canonical_reversed(lengths), lengths
+    return (_canonical_reversed(lengths) | lengths << 16).astype(np.uint32)
 
 
-@functools.lru_cache(maxsize=256)
-def _pair_table(first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
-    """Code and length of every little-endian byte pair [65536] whose first byte uses table
-    ``first`` and second ``second``: two bytes per lookup halve every vectorised step."""
-    codes1, lengths1 = _byte_table(first)
-    codes2, lengths2 = _byte_table(second)
-    low, high = np.arange(1 << 16) & 0xFF, np.arange(1 << 16) >> 8
-    pair_codes = codes1[low] | (codes2[high] << lengths1[low])
-    pair_lengths = lengths1[low] + lengths2[high]
-    # A pair with an uncodable byte stays uncodable (length 0 flags it).
-    pair_lengths[(lengths1[low] == 0) | (lengths2[high] == 0)] = 0
-    # Narrow types (codes < 2**24, lengths <= 24) keep the stacked tables cache-sized.
-    return pair_codes.astype(np.int32), pair_lengths.astype(np.uint8)
-
-
-def _unit_tables(
-    tables: Sequence[str], column_tables: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stacked pair tables for the column pairs of a row, and each unit's offset into them.
-
-    A row's units are its byte pairs (and a last single byte when the width is odd).
-    """
-    width = len(column_tables)
-    keys: list[tuple[str, str | None]] = []
-    for j in range(0, width, 2):
-        second = tables[column_tables[j + 1]] if j + 1 < width else None
-        keys.append((tables[column_tables[j]], second))
-    distinct = list(dict.fromkeys(keys))
-    parts = []
-    for first, second in distinct:
-        if second is None:
-            codes, lengths = _byte_table(first)
-            pad = np.zeros((1 << 16) - _ALPHABET, dtype=np.int64)
-            parts.append(
-                (
-                    np.concatenate([codes, pad]).astype(np.int32),
-                    np.concatenate([lengths, pad]).astype(np.uint8),
-                )
-            )
-        else:
-            parts.append(_pair_table(first, second))
-    offsets = np.array([distinct.index(k) << 16 for k in keys], dtype=np.int64)
-    return (
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        offsets,
-    )
+def _stacked(
+    build: Callable[[str], np.ndarray], tables: Sequence[str], column_tables: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tables the columns use, one block each, and each column's block start."""
+    used, block = np.unique(np.asarray(column_tables, dtype=np.int64), return_inverse=True)
+    parts = [build(tables[t]) for t in used.tolist()]
+    size = len(parts[0]) if parts else 0
+    flat = np.ascontiguousarray(np.concatenate(parts)) if parts else np.zeros(0, np.uint32)
+    return flat, (block.astype(np.uint64) * np.uint64(size)).reshape(-1)
 
 
 def encode_rows(
@@ -208,57 +173,19 @@ def encode_rows(
     Raises:
         CodecError: a byte value in ``data`` has no code in its column's table.
     """
-    n, width = data.shape
-    unit_codes, unit_lengths, unit_offsets = _unit_tables(tables, column_tables)
-    # Two passes over row chunks, so temporaries stay chunk-sized: the row lengths first (they
-    # fix every row's offset), then the bits themselves.
-    row_bits = np.zeros(n, dtype=np.int64)
-    for lo in range(0, n if width else 0, _CHUNK_ROWS):
-        size = unit_lengths[_unit_index(data[lo : lo + _CHUNK_ROWS], unit_offsets)]
-        if size.min() == 0:
-            raise CodecError("a byte value has no code in its column's Huffman table")
-        size.sum(axis=1, dtype=np.int64, out=row_bits[lo : lo + _CHUNK_ROWS])
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    n = data.shape[0]
+    table, base = _stacked(_encode_table, tables, column_tables)
+    # Two compiled passes: every row's size first (it fixes the offsets), then the bits.
+    bits = np.empty(n, dtype=np.int64)
+    if huffman_kernels.row_bits(data, table, base, bits) >= 0:
+        raise CodecError("a byte value has no code in its column's Huffman table")
     offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum((row_bits + 7) >> 3, out=offsets[1:])
+    np.cumsum((bits + 7) >> 3, out=offsets[1:])
     total = int(offsets[-1])
-    words = np.zeros((total + 3) // 4 + 2, dtype=np.int64)
-    for lo in range(0, n if width else 0, _CHUNK_ROWS):
-        index = _unit_index(data[lo : lo + _CHUNK_ROWS], unit_offsets)
-        _place(unit_codes[index].astype(np.int64), unit_lengths[index], offsets[lo:], words)
-    buffer = words.astype("<u4").view(np.uint8)[:total]
-    return offsets, buffer
-
-
-def _unit_index(data: np.ndarray, unit_offsets: np.ndarray) -> np.ndarray:
-    """Each unit's index into the stacked unit tables: its byte pair value plus its table's
-    offset (a last odd byte is a unit of its own)."""
-    width = data.shape[1]
-    even = width - width % 2
-    index = np.ascontiguousarray(data[:, :even]).view("<u2").astype(np.int64)
-    if width % 2:
-        index = np.concatenate([index, data[:, -1:].astype(np.int64)], axis=1)
-    index += unit_offsets
-    return index
-
-
-def _place(code: np.ndarray, size: np.ndarray, offsets: np.ndarray, out: np.ndarray) -> None:
-    # Global bit position of every unit; a unit (at most 24 bits) starts in one 32-bit word and
-    # may spill into the next. Shifted into the int64 slot of its starting word, the spill
-    # lands in the slot's upper half. No two units share a bit, so adding them is OR-ing them
-    # (no carries), and every slot stays below 2**56.
-    start = np.cumsum(size, axis=1, dtype=np.int64)
-    start -= size
-    start += (offsets[: len(code)] * 8)[:, None]
-    word = start >> 5
-    first = int(word[0, 0])
-    word -= first
-    np.bitwise_and(start, 31, out=start)
-    np.left_shift(code, start, out=code)
-    slots = np.zeros(int(word[-1, -1]) + 1, dtype=np.int64)
-    np.add.at(slots, word.ravel(), code.ravel())
-    end = first + len(slots)
-    out[first:end] |= slots & 0xFFFFFFFF
-    out[first + 1 : end + 1] |= slots >> 32
+    out = np.empty(total + 8, dtype=np.uint8)
+    huffman_kernels.encode(data, table, base, offsets, out)
+    return offsets, out[:total]
 
 
 def decode_rows(
@@ -269,62 +196,31 @@ def decode_rows(
     ``offsets`` may start anywhere in ``buffer`` (a slice of a larger column).
 
     Raises:
-        CodecError: a row's bit string is shorter than its symbols need.
+        CodecError: a row's bit string is shorter than its symbols need, or holds bits that
+            are no code of its table.
     """
-    luts = [_decode_table(tables[t]) for t in column_tables]
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     n = len(offsets) - 1
     out = np.empty((n, len(column_tables)), dtype=np.uint8)
-    if n == 0 or len(column_tables) == 0:
+    if n <= 0 or len(column_tables) == 0:
         return out
-    padded = np.zeros(len(buffer) + 16, dtype=np.uint8)
-    padded[: len(buffer)] = buffer
-    words = padded[: (len(padded) // 4) * 4].view("<u4").astype(np.int64)
-    ends = offsets[1:] * 8
-    for lo in range(0, n, _CHUNK_ROWS):
-        hi = min(n, lo + _CHUNK_ROWS)
-        pos = offsets[lo:hi].astype(np.int64) * 8
-        _decode_chunk(words, pos, luts, out[lo:hi])
-        if np.any(pos > ends[lo:hi]):
-            raise CodecError("a Huffman-coded row is truncated")
+    if offsets[0] < 0 or offsets[-1] > len(buffer) or np.any(np.diff(offsets) < 0):
+        raise CodecError("Huffman row offsets fall outside their buffer")
+    table, base = _stacked(_decode_table, tables, column_tables)
+    buffer = np.ascontiguousarray(buffer, dtype=np.uint8)
+    # The kernel reads unchecked: rows too close to the buffer's end decode from a padded copy
+    # of the last rows' bytes.
+    span = huffman_kernels.read_span(len(column_tables))
+    fast = int(np.searchsorted(offsets[:-1], len(buffer) - span, side="right"))
+    bad = huffman_kernels.decode(buffer, offsets[: fast + 1], table, base, out[:fast]) >= 0
+    if fast < n:
+        start = int(offsets[fast])
+        tail = np.zeros(int(offsets[-1]) - start + span, dtype=np.uint8)
+        tail[: len(tail) - span] = buffer[start : offsets[-1]]
+        bad |= huffman_kernels.decode(tail, offsets[fast:] - start, table, base, out[fast:]) >= 0
+    if bad:
+        raise CodecError("a Huffman-coded row is truncated or holds no code of its table")
     return out
-
-
-def _decode_chunk(
-    words: np.ndarray,
-    pos: np.ndarray,
-    luts: list[tuple[np.ndarray, np.ndarray]],
-    out: np.ndarray,
-) -> None:
-    # Rows are independent bit strings: each step decodes the next symbols of every row of the
-    # chunk at once. One 64-bit window holds at least 33 unread bits, enough for two codes of
-    # at most 12 bits, so each window load serves two symbols. Buffers are reused throughout.
-    index = np.empty_like(pos)
-    window = np.empty_like(pos)
-    high = np.empty_like(pos)
-    peek = np.empty_like(pos)
-    size = np.empty_like(pos)
-    mask = (1 << MAX_CODE_BITS) - 1
-    width = out.shape[1]
-    for j in range(0, width, 2):
-        np.right_shift(pos, 5, out=index)
-        np.take(words, index, out=window)
-        index += 1
-        np.take(words, index, out=high)
-        high <<= 32
-        window |= high
-        np.bitwise_and(pos, 31, out=index)
-        window >>= index
-        np.bitwise_and(window, mask, out=peek)
-        symbols, sizes = luts[j]
-        np.take(symbols, peek, out=out[:, j])
-        np.take(sizes, peek, out=size)
-        pos += size
-        if j + 1 < width:
-            window >>= size
-            window &= mask
-            symbols, sizes = luts[j + 1]
-            np.take(symbols, window, out=out[:, j + 1])
-            pos += np.take(sizes, window)
 
 
 def table_cost(counts: np.ndarray, lengths: np.ndarray) -> float:
@@ -390,13 +286,13 @@ def _histograms(data: np.ndarray, column_tables: np.ndarray) -> list[np.ndarray]
     """Byte counts per table; above ~1 MB from a row sample, with every byte value kept
     codable (a sample can miss a rare value the batch holds)."""
     groups = int(column_tables.max()) + 1 if len(column_tables) else 1
-    n = data.shape[0]
-    sample = data
-    if data.size > _SAMPLE_BYTES and n > 1:
-        sample = data[:: max(1, data.size // _SAMPLE_BYTES)]
-    index = sample.astype(np.int64) + (column_tables * _ALPHABET)[None, :]
-    counts = np.bincount(index.ravel(), minlength=groups * _ALPHABET).reshape(groups, _ALPHABET)
-    if sample is not data:
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    sampled = data.size > _SAMPLE_BYTES and data.shape[0] > 1
+    counts = np.zeros((groups, _ALPHABET), dtype=np.int64)
+    columns = np.ascontiguousarray(column_tables, dtype=np.int64)
+    step = max(1, data.size // _SAMPLE_BYTES) if sampled else 1
+    huffman_kernels.histograms(data, step, columns, counts)
+    if sampled:
         counts += 1
     return list(counts)
 
