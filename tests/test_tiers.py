@@ -112,11 +112,12 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     dist.barrier()
     result, state, ckpt = _restore(rank, world_size, root, f"n{rank}")
     partial = result.partial
-    lost_keys = {key for key, _, _ in partial.lost_blocks}
+    came_from = {key: step for key, _, _, step in partial.lost_blocks}
+    lost_keys = set(came_from)
     wrong = []
     for key, value in state.items():
         block = key.split(":")[1] if key[:2] in ("w:", "s:") else None
-        source = partial.older_step if block in lost_keys else partial.step
+        source = came_from.get(block, partial.step)
         if not tm.differences({key: expected[source][key]}, {key: value}) == []:
             wrong.append((key, source))
     out["partial"] = {

@@ -3,9 +3,12 @@ from the nearest copy that passes its checksum, else the next one.
 
 Nearest first: the node's own folder and the replicas it keeps (``local``), then a copy another
 node sent over the process group (``peer``, fetched before the restore, ``tiers/restore.py``),
-then the durable directory (``durable``). A copy that fails its size or checksum is refused,
-logged and counted; the next copy is read. ``read/restore.py`` reads it as it reads a
-``CheckpointStore``.
+then the durable directory (``durable``). Each copy is read once, and checked as it is read (the
+restore's own reads verify size and checksum). A copy that fails is refused, logged and counted,
+and the next copy is read; when that next copy is a peer's not fetched yet, the read fails with
+:data:`PEER_MARK` and ``tiers/restore.py`` fetches it and runs the restore again (nothing was
+applied: a restore applies nothing until every rank read everything). ``read/restore.py`` reads
+this view as it reads a ``CheckpointStore``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from embckpt.storage.rowfile_read import CheckedFile, open_ranges, whole_file
 log = logging.getLogger(__name__)
 
 TIERS = ("local", "peer", "durable")
+TAG = "[tiers]"  # in every failed read's reason: ``tiers/restore.py`` then agrees on a retry
+PEER_MARK = f"{TAG} wants a peer's copy"
 _T = TypeVar("_T")
+Key = tuple[int, str]  # (step, relative path)
 
 
 @dataclass
@@ -53,18 +59,26 @@ class TieredReadStore:
     """The copies of every tier, read as one directory.
 
     Args:
-        local: per step, this node's stores holding its folder (own first, then replicas).
-        received: files other nodes sent, by (step, relative path).
+        local: per file, this node's stores holding a copy of the manifest's size (own first,
+            then replicas).
+        peer_held: the files another node holds a copy of.
         durable: the durable directory; read only for ``durable_steps`` (committed there).
         manifests: manifest bytes by step, gathered from every node.
         steps: the steps this view offers to restore.
         uri: names the view in messages.
+
+    Attributes:
+        received: files other nodes sent (``tiers/restore.py`` adds them).
+        asked: files asked of other nodes so far (sent or not).
+        refused_local: files whose local copies failed: the next round skips them.
+        wants_peer: files whose local copies failed in this round while a peer holds one not
+            asked for yet.
     """
 
     def __init__(
         self,
-        local: Mapping[int, Sequence[CheckpointStore]],
-        received: Mapping[tuple[int, str], pa.Buffer],
+        local: Mapping[Key, Sequence[CheckpointStore]],
+        peer_held: set[Key],
         durable: CheckpointStore,
         durable_steps: set[int],
         manifests: Mapping[int, bytes],
@@ -72,13 +86,22 @@ class TieredReadStore:
         uri: str,
     ) -> None:
         self.local = local
-        self.received = received
+        self.by_step: dict[int, list[CheckpointStore]] = {}
+        for (step, _), stores in local.items():
+            known = self.by_step.setdefault(step, [])
+            known.extend(s for s in stores if s not in known)
+        self.peer_held = peer_held
+        self.received: dict[Key, pa.Buffer] = {}
+        self.asked: set[Key] = set()
+        self.refused_local: set[Key] = set()
+        self.wants_peer: set[Key] = set()
         self.durable = durable
         self.durable_steps = durable_steps
         self.manifests = manifests
         self.steps = sorted(steps)
         self.uri = uri
         self.cost = TierCost()
+        self._lock = threading.Lock()
 
     # -- what read/restore.py and storage/chain.py ask of a store ---------------------------
     def committed_steps(self) -> list[int]:
@@ -88,11 +111,11 @@ class TieredReadStore:
         return step in self.manifests or step in self.durable_steps
 
     def step_path(self, step: int, relative: str = "") -> str:
-        stores = self.local.get(step) or [self.durable]
+        stores = self.by_step.get(step) or [self.durable]
         return stores[0].step_path(step, relative)
 
     def check_contained(self, step: int, relatives: Sequence[str], manifest_path: str) -> None:
-        for store in self.local.get(step, ()):
+        for store in self.by_step.get(step, ()):
             store.check_contained(step, relatives, manifest_path)
 
     def read_file(self, step: int, relative: str) -> pa.Buffer:
@@ -162,31 +185,52 @@ class TieredReadStore:
         """``read`` of the nearest copy that passes its checks.
 
         Raises:
-            CheckpointCorruptError: every copy failed; the message lists each one's reason.
+            CheckpointCorruptError: a local copy failed and a peer's is not fetched yet
+                (:data:`PEER_MARK`), or every copy failed (the reason lists each one's).
         """
+        key = (step, relative)
         reasons: list[str] = []
-        copies: list[tuple[str, Callable[[], _T]]] = [
-            ("local", functools.partial(read, store)) for store in self.local.get(step, ())
-        ]
-        data = self.received.get((step, relative))
+        copies: list[tuple[str, Callable[[], _T]]] = []
+        if key not in self.refused_local:
+            copies += [("local", functools.partial(read, s)) for s in self.local.get(key, ())]
+        data = self.received.get(key)
         if data is not None and from_memory is not None:
             copies.append(("peer", lambda: from_memory(data)))
-        if step in self.durable_steps:
-            copies.append(("durable", lambda: read(self.durable)))
         for tier, attempt in copies:
             started = time.perf_counter()
             try:
                 value = attempt()
             except CheckpointCorruptError as exc:
-                if tier != "local" or "cannot read" not in exc.reason:  # absent: not a refusal
-                    self.cost.refused.append(f"{exc.path}: {exc.reason}")
-                    log.warning("refused a %s copy: %s: %s", tier, exc.path, exc.reason)
+                self._refuse(key, tier, exc)
                 reasons.append(f"{tier}: {exc.path}: {exc.reason}")
                 continue
             self.cost.add(tier, 0 if tier == "peer" else nbytes, time.perf_counter() - started)
             return value
         where = f"{self.uri} step {step}: {relative}"
-        raise CheckpointCorruptError(where, "no good copy: " + ("; ".join(reasons) or "none held"))
+        if reasons and key in self.peer_held and key not in self.asked:
+            with self._lock:
+                self.wants_peer.add(key)
+            raise CheckpointCorruptError(where, f"{PEER_MARK}: {'; '.join(reasons)}")
+        if step in self.durable_steps:
+            started = time.perf_counter()
+            try:
+                value = read(self.durable)
+            except CheckpointCorruptError as exc:
+                self._refuse(key, "durable", exc)
+                reasons.append(f"durable: {exc.path}: {exc.reason}")
+            else:
+                self.cost.add("durable", nbytes, time.perf_counter() - started)
+                return value
+        raise CheckpointCorruptError(
+            where, f"{TAG} no good copy: " + ("; ".join(reasons) or "none held")
+        )
+
+    def _refuse(self, key: Key, tier: str, exc: CheckpointCorruptError) -> None:
+        with self._lock:
+            self.cost.refused.append(f"{exc.path}: {exc.reason}")
+            if tier == "local":
+                self.refused_local.add(key)
+        log.warning("refused a %s copy: %s: %s", tier, exc.path, exc.reason)
 
 
 def _planned_bytes(entry: FileEntry, groups: Sequence[int] | None) -> int:
