@@ -4,23 +4,28 @@ copy, checked, and fall back per file; a lost node restores from its peer's repl
 replica lost too, partial recovery takes its blocks from an older step.
 
 Two ranks, each its own simulated node (``EMBCKPT_NODE``); a "relaunch" is a fresh model and
-Checkpointer in the same processes, after the test deleted or damaged files.
+Checkpointer, in the same processes after the test damaged files, or in fresh ones after a
+node's worker was SIGKILLed and its folder deleted.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import toy_model as tm
 
 from embckpt import CheckpointConfig, ConfigError
-from embckpt.examples.launcher import run_ranks
+from embckpt.examples.launcher import RankFailed, run_ranks
 
 SAVES = (5, 10, 15)
+KILL_AT = 17  # after the last save
 
 
 def _config(root: str) -> CheckpointConfig:
@@ -96,50 +101,10 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     if rank == 0:
         victim.write_bytes(original)
 
-    # Node n1 lost (its folder gone): its files come from n0's replica, over the process group.
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(local / "n1")
-    dist.barrier()
-    result, state, _ = _restore(rank, world_size, root, f"n{rank}")
-    out["lost"] = _summary(result, state, expected)
-
-    # Its replica lost too: partial recovery, its blocks from the newest older step (durable).
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(local / "n1")
-        shutil.rmtree(local / "n0" / "replicas" / "n1")
-    dist.barrier()
-    result, state, ckpt = _restore(rank, world_size, root, f"n{rank}")
-    partial = result.partial
-    came_from = {key: step for key, _, _, step in partial.lost_blocks}
-    lost_keys = set(came_from)
-    wrong = []
-    for key, value in state.items():
-        block = key.split(":")[1] if key[:2] in ("w:", "s:") else None
-        source = came_from.get(block, partial.step)
-        if not tm.differences({key: expected[source][key]}, {key: value}) == []:
-            wrong.append((key, source))
-    out["partial"] = {
-        "step": partial.step,
-        "older": partial.older_step,
-        "lost_blocks": sorted(lost_keys),
-        "lost_rows": partial.lost_rows,
-        "total_rows": partial.total_rows,
-        "lost_fraction": partial.lost_fraction,
-        "wrong": wrong,
-        "newest_differs": bool(lost_keys)
-        and any(
-            tm.differences({k: expected[15][k]}, {k: state[k]})
-            for k in state
-            if k[:2] == "w:" and k.split(":")[1] in lost_keys
-        ),
-        "next_is_full": ckpt.head is None,
-    }
     return out
 
 
-def test_tiers_restore_nearest_copy_lost_node_and_partial() -> None:
+def test_tiers_restore_the_nearest_checked_copy() -> None:
     with tempfile.TemporaryDirectory() as root:
         results = run_ranks(_scenarios, 2, root)
     layout = results[0]["layout"]
@@ -148,21 +113,89 @@ def test_tiers_restore_nearest_copy_lost_node_and_partial() -> None:
     assert layout["durable"] == ["step_000000000005", "step_000000000010"]
     assert layout["local/n0"] == layout["local/n1"] == layout["local/n0/replicas/n1"] == every
     for rank, out in enumerate(results):
-        for name in ("intact", "swapped", "corrupt", "lost"):
+        for name in ("intact", "swapped", "corrupt"):
             got = out[name]
             assert got["step"] == 15 and got["diff"] == [], (rank, name, got)
             assert got["bytes"]["durable"] == 0, (rank, name, got)
         assert out["intact"]["bytes"]["peer"] == 0 and out["intact"]["refused"] == []
-        assert out["corrupt"]["refused"] if rank == 0 else True
-        assert out["lost"]["bytes"]["peer"] > 0 if rank == 1 else True
-        partial = out["partial"]
-        assert (partial["step"], partial["older"]) == (15, 10)
-        assert partial["wrong"] == [], (rank, partial["wrong"])
-        assert 0 < partial["lost_rows"] < partial["total_rows"]
-        assert 0 < partial["lost_fraction"] < 1
-        assert partial["next_is_full"]
-    assert results[0]["partial"]["lost_blocks"] == []
-    assert results[1]["partial"]["lost_blocks"] and results[1]["partial"]["newest_differs"]
+    # Rank 0's copy refused: the restore ran again with n1's replica of it, sent over the group.
+    assert results[0]["corrupt"]["refused"] and results[0]["corrupt"]["bytes"]["peer"] > 0
+
+
+def _train_until_killed(rank: int, world_size: int, root: str) -> None:
+    """Trains and saves as node ``n<rank>``; node n1's worker SIGKILLs itself after the last
+    save (run_ranks then kills node n0's)."""
+    from embckpt import Checkpointer
+
+    os.environ["EMBCKPT_NODE"] = f"n{rank}"
+    model, opt = tm.build(world_size, seed=0)
+    with Checkpointer(model, f"{root}/durable", optimizer=opt, config=_config(root)) as ckpt:
+        for step in range(1, KILL_AT + 1):
+            tm.train_step(model, opt, step, rank, hot=60)
+            if step in SAVES:
+                ckpt.save(step).wait()
+                torch.save(tm.snapshot_state(model, opt, rank), f"{root}/expected.{step}.{rank}")
+            if step == KILL_AT and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # node n0's worker: killed by run_ranks once n1's died
+
+
+def _relaunched(rank: int, world_size: int, root: str) -> dict:
+    result, state, ckpt = _restore(rank, world_size, root, f"n{rank}")
+    expected = {s: torch.load(f"{root}/expected.{s}.{rank}") for s in SAVES}
+    out = _summary(result, state, expected)
+    partial = result.partial
+    if partial is None:
+        return out
+    came_from = {key: step for key, _, _, step in partial.lost_blocks}
+    wrong, newest_differs = [], False
+    for key, value in state.items():
+        block = key.split(":")[1] if key[:2] in ("w:", "s:") else None
+        source = came_from.get(block, partial.step)
+        if tm.differences({key: expected[source][key]}, {key: value}):
+            wrong.append((key, source))
+        if block in came_from and key[:2] == "w:":
+            newest_differs |= bool(tm.differences({key: expected[partial.step][key]}, {key: value}))
+    out["partial"] = {
+        "step": partial.step,
+        "older_steps": list(partial.older_steps),
+        "came_from": came_from,
+        "lost_rows": partial.lost_rows,
+        "total_rows": partial.total_rows,
+        "lost_fraction": partial.lost_fraction,
+        "wrong": wrong,
+        "newest_differs": newest_differs,
+        "next_is_full": ckpt.head is None,
+    }
+    return out
+
+
+def test_killed_node_restores_from_its_replica_then_partially() -> None:
+    """Node n1's worker SIGKILLed mid-training and its folder deleted: the relaunch restores it
+    bit-exact from n0's replica, sent over the process group. With that replica gone too, the
+    partial recovery takes n1's blocks from the newest older step holding them (the durable
+    step 10) and everything else from step 15, as its report says."""
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(RankFailed, match="died"):
+            run_ranks(_train_until_killed, 2, root)
+        shutil.rmtree(Path(root, "local", "n1"))
+        lost = run_ranks(_relaunched, 2, root)
+        shutil.rmtree(Path(root, "local", "n1"), ignore_errors=True)
+        shutil.rmtree(Path(root, "local", "n0", "replicas", "n1"))
+        partial = run_ranks(_relaunched, 2, root)
+    for rank, out in enumerate(lost):
+        assert out["step"] == 15 and out["diff"] == [], (rank, out)
+        assert out["bytes"]["durable"] == 0 and out["refused"] == [], (rank, out)
+        assert (out["bytes"]["peer"] > 0) == (rank == 1), (rank, out)
+    for rank, out in enumerate(partial):
+        got = out["partial"]
+        assert out["step"] == 15 and got["wrong"] == [], (rank, got["wrong"])
+        assert got["older_steps"] == [10] and 0 < got["lost_rows"] < got["total_rows"]
+        assert 0 < got["lost_fraction"] < got["lost_rows"] / got["total_rows"]
+        assert got["next_is_full"]
+    assert partial[0]["partial"]["came_from"] == {}
+    assert set(partial[1]["partial"]["came_from"].values()) == {10}
+    assert partial[1]["partial"]["newest_differs"]
 
 
 def test_tier_settings_need_local_dir() -> None:
