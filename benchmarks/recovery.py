@@ -19,7 +19,9 @@ after the restore (the slowest rank), split into ``build_s``, ``open_s`` (the Ch
 ``load_s``, ``first_step_s``; ``launch_s``: the two torchruns' wall time (process start,
 imports, rendezvous included). ``dcp_load_s``: the same span with ``dcp.load`` of the same
 model from a DCP checkpoint in the durable directory's place: the moto S3 bucket (read through
-pyarrow's S3 client, ``fsspec``'s ``ArrowFSWrapper``: DCP's ``FsspecReader`` over it) or disk.
+pyarrow's S3 client, ``fsspec``'s ``ArrowFSWrapper`` with a 32 MiB buffered reader per file:
+DCP's ``FsspecReader`` over it; ``s3fs`` itself cannot be installed beside this environment's
+botocore) or disk.
 Each scenario runs ``--repeats`` times, interleaved with ``dcp.load``; best and median.
 
     python benchmarks/recovery.py [--config configs/bench_spine.yaml] [--repeats 3]
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -68,15 +71,26 @@ S3_ENV = {
 
 
 # -- in each torchrun worker ------------------------------------------------------------------
+DCP_READ_BUFFER = 32 << 20  # a buffered reader per file: DCP's small reads are not a GET each
+
+
 def _dcp_storage(uri: str, *, write: bool) -> Any:
-    """DCP's fsspec reader or writer on ``uri``: S3 through pyarrow's client, or a folder."""
+    """DCP's fsspec reader or writer on ``uri``: S3 through pyarrow's client (reads buffered
+    by :data:`DCP_READ_BUFFER`), or a folder."""
     import pyarrow.fs as pafs
     from fsspec.implementations.arrow import ArrowFSWrapper
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+    class Buffered(ArrowFSWrapper):  # type: ignore[misc]
+        def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+            if mode != "rb":
+                return super()._open(path, mode, *args, **kwargs)
+            raw = self.fs.open_input_file(path)
+            return io.BufferedReader(raw, buffer_size=DCP_READ_BUFFER)
+
     fs, path = pafs.FileSystem.from_uri(uri)
     storage = FsspecWriter("/tmp") if write else FsspecReader("/tmp")
-    storage.fs.fs = ArrowFSWrapper(fs)  # the same path handling, another client
+    storage.fs.fs = Buffered(fs)  # DCP's own path handling, another client
     storage.path = path
     return storage
 

@@ -282,6 +282,8 @@ class Checkpointer:
                 newer than the restored one to ``discarded/`` under the directory (manifest
                 first: never a broken committed checkpoint; ``storage/retention.py``), so the
                 job continues from here and ``restore()`` of the latest finds its new saves.
+                With a node-local tier, each node's leader also deletes its newer local and
+                replica checkpoints.
 
         Raises:
             LeaseLostError: ``discard_newer`` while this job no longer holds the directory
@@ -308,8 +310,10 @@ class Checkpointer:
         self._saver.restored(result)
         if result is not None and result.partial is not None:
             self._saver.restore_failed()  # no chain holds this mix of steps: the next is a full
-        if result is not None and self.tiers is None:
+        if result is not None:
             self._settle_newer(result.manifest.step, discard_newer)
+            if self.tiers is not None:
+                self.tiers.settle_newer(result.manifest.step, discard_newer)
         return result
 
     def _settle_newer(self, step: int, discard: bool) -> None:

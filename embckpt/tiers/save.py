@@ -115,6 +115,31 @@ class TierSaver:
             progress=progress,
         )
 
+    def settle_newer(self, step: int, discard: bool) -> None:
+        """After restoring ``step``: each node's leader deletes its own and replica checkpoints
+        newer than it when ``discard`` (``discard_newer=True``), else warns that saving one of
+        those steps again will fail (collective; raises on every rank if a deletion failed)."""
+        error: BaseException | None = None
+        if self.nodes.is_leader:
+            try:
+                for label, store in self.local.stores().items():
+                    newer = [s for s in store.committed_steps() if s > step]
+                    for s in newer if discard else ():
+                        store.remove_step(s)
+                    if newer and not discard:
+                        log.warning(
+                            "restored step %d; node %s's %s folder holds newer checkpoints %s: "
+                            "saving one of those steps again will fail; restore with "
+                            "discard_newer=True to delete them",
+                            step,
+                            self.nodes.me,
+                            label,
+                            newer,
+                        )
+            except Exception as exc:
+                error = exc
+        self.comm.check(error, f"deleting local checkpoints newer than step {step}")
+
     # -- 1. manifest copies -----------------------------------------------------------------------
     def _copy_manifest(self, step: int) -> None:
         """Every node gets the manifest and the checkpoint's small side files (the dense file
