@@ -40,13 +40,15 @@ def _config(root: str) -> CheckpointConfig:
     )
 
 
-def _restore(rank: int, world_size: int, root: str, node: str) -> tuple[object, dict, object]:
+def _restore(
+    rank: int, world_size: int, root: str, node: str, **load: object
+) -> tuple[object, dict, object]:
     from embckpt import Checkpointer
 
     os.environ["EMBCKPT_NODE"] = node
     model, opt = tm.build(world_size, seed=77)
     with Checkpointer(model, f"{root}/durable", optimizer=opt, config=_config(root)) as ckpt:
-        result = ckpt.load()
+        result = ckpt.load(**load)
     return result, tm.snapshot_state(model, opt, rank), ckpt
 
 
@@ -101,6 +103,14 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     if rank == 0:
         victim.write_bytes(original)
 
+    # Back to step 10, dropping what came after: from every node's folders too.
+    result, state, _ = _restore(rank, world_size, root, f"n{rank}", step=10, discard_newer=True)
+    out["back_to_10"] = _summary(result, state, expected)
+    dist.barrier()
+    out["after_discard"] = {
+        where: sorted(p.name for p in Path(root, where).glob("step_*"))
+        for where in ("durable", "local/n0", "local/n1", "local/n0/replicas/n1")
+    }
     return out
 
 
@@ -118,6 +128,10 @@ def test_tiers_restore_the_nearest_checked_copy() -> None:
             assert got["step"] == 15 and got["diff"] == [], (rank, name, got)
             assert got["bytes"]["durable"] == 0, (rank, name, got)
         assert out["intact"]["bytes"]["peer"] == 0 and out["intact"]["refused"] == []
+    for rank, out in enumerate(results):
+        assert out["back_to_10"]["step"] == 10 and out["back_to_10"]["diff"] == [], rank
+    kept = ["step_000000000005", "step_000000000010"]
+    assert all(steps == kept for steps in results[0]["after_discard"].values())
     # Rank 0's copy refused: the restore ran again with n1's replica of it, sent over the group.
     assert results[0]["corrupt"]["refused"] and results[0]["corrupt"]["bytes"]["peer"] > 0
 
