@@ -330,7 +330,8 @@ def _restore_round(
             )
         except Exception as exc:
             # Every failed read through the store says TAG, on its rank and, quoted, on every
-            # other: the ranks that see it agree here on a retry.
+            # other: the ranks that see it agree here on a retry. (A rank failing otherwise in
+            # the same round, and so not seeing TAG, leaves the others to the group's timeout.)
             if TAG not in str(exc):
                 raise
             mine = sorted(store.wants_peer)
