@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,17 +42,34 @@ from embckpt.config import load_yaml  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig  # noqa: E402
 
+_TIERS: dict[str, Any] = {
+    "optimizer_codec": "raw",
+    "local_dir": "local",  # under the run's folder
+    "replicas": 1,
+    "durable_every": 3,  # a failure 4 checkpoints after a restart finds the newest local only
+}
 # Checkpoint settings each variant changes in the config's checkpoint section.
 VARIANTS: dict[str, dict[str, Any]] = {
     "optimizer_raw": {"optimizer_codec": "raw"},
     "optimizer_log8": {"optimizer_codec": "log8"},
     # Control: every byte lossless, so restores must change nothing (delta exactly 0).
     "lossless": {"codec": "raw", "bits": None, "optimizer_codec": "raw"},
+    # The node-local tier, each rank its own node; every failure loses node n1 and n0's replica
+    # of it: partial recovery (n1's blocks from the newest older step holding them) against the
+    # full restore of the newest step every node can restore whole (the durable one).
+    "partial_recovery": {**_TIERS, "partial_recovery": True},
+    "node_lost_full": _TIERS,
 }
 FAILURE_FREE = "failure_free"
 REPEAT = "failure_free_repeat"
 RESOLUTION_TARGET_PP = 0.05
-VARIANT_COLORS = {"optimizer_raw": "#1f77b4", "optimizer_log8": "#ff7f0e", "lossless": "#2ca02c"}
+VARIANT_COLORS = {
+    "optimizer_raw": "#1f77b4",
+    "optimizer_log8": "#ff7f0e",
+    "lossless": "#2ca02c",
+    "partial_recovery": "#d62728",
+    "node_lost_full": "#9467bd",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +152,20 @@ def _worker(
         model, optimizer = build_model(seeded, device, world_size)
         pending = failure_steps(cfg.steps, every, run.failures) if run.checkpoint else []
         restored_from = []
-        ckpt = (
-            Checkpointer(
-                model,
-                f"{root}/{seed}-{index}",
-                optimizer=optimizer,
-                config=run.checkpoint,
-                statefuls={"data": sampler},
-            )
-            if run.checkpoint
-            else None
+        config = run.checkpoint
+        if config is not None and config.local_dir is not None:
+            os.environ["EMBCKPT_NODE"] = f"n{rank}"
+            config = dataclasses.replace(config, local_dir=f"{root}/{seed}-{index}-local")
+
+        open_checkpointer = functools.partial(
+            Checkpointer,
+            model,
+            f"{root}/{seed}-{index}",
+            optimizer=optimizer,
+            config=config,
+            statefuls={"data": sampler},
         )
+        ckpt = open_checkpointer() if config else None
         step = 0
         while step < cfg.steps:
             step += 1
@@ -151,7 +174,13 @@ def _worker(
                 ckpt.save(step).wait()
             if ckpt and pending and step == pending[0]:
                 pending.pop(0)
-                step = ckpt.restore() or 0
+                if config is not None and config.local_dir is not None:
+                    ckpt.close()
+                    _lose_node(config.local_dir, rank)
+                    ckpt = open_checkpointer()
+                # The node lost took the newest step's only whole copy: drop what is left of it.
+                lost = config is not None and config.local_dir is not None
+                step = ckpt.restore(discard_newer=lost) or 0
                 restored_from.append(step)
         if ckpt:
             ckpt.close()
@@ -168,6 +197,17 @@ def _worker(
             }
         )
     return out
+
+
+def _lose_node(local_dir: str, rank: int) -> None:
+    """Node n1's folder and n0's replica of it gone, as the relaunch finds them."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(local_dir, "n1"), ignore_errors=True)
+        shutil.rmtree(Path(local_dir, "n0", "replicas", "n1"), ignore_errors=True)
+    dist.barrier()
 
 
 def weighted_auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.retention import discard_newer
+from embckpt.tiers.save import open_tiers
 from embckpt.tracking import RowTracker, View
 
 __all__ = ["Checkpointer", "PendingCheckpoint"]
@@ -115,6 +116,8 @@ class Checkpointer:
                 error = exc
         # The root exists and is ours before any rank lists it.
         self.comm.check(error, f"opening {self.store.uri}")
+        self.tiers = open_tiers(config, self.comm, self.store, self._lock)
+        save_store = self.store if self.tiers is None else self.tiers.local.own
         self.sharded: ShardedModel = discover(model, self.comm.rank)
         every_row = self.sharded.every_row_blocks()
         if every_row:
@@ -129,7 +132,7 @@ class Checkpointer:
         self.policy = make_policy(config)
         self.interval = AdaptiveInterval(config.interval, config.stall_bound)
         self.writer = RowFileWriter(
-            self.store,
+            save_store,
             state_codec=make_codec(config.optimizer_codec),
             base_codec=make_codec(config.base_codec),
             rank=self.comm.rank,
@@ -145,12 +148,13 @@ class Checkpointer:
             statefuls=self.statefuls,
             config=config,
             comm=self.comm,
-            store=self.store,
+            store=save_store,
             lock=self._lock,
             sharded=self.sharded,
             policy=self.policy,
             tables=table_entries(self.sharded, state_names),
             full_fp32_bytes=int(self.comm.all_sum([self.sharded.local_fp32_bytes()])[0]),
+            tiers=self.tiers,
         )
         self._state = SaveState(
             tracker=self.tracker,
@@ -278,6 +282,8 @@ class Checkpointer:
                 newer than the restored one to ``discarded/`` under the directory (manifest
                 first: never a broken committed checkpoint; ``storage/retention.py``), so the
                 job continues from here and ``restore()`` of the latest finds its new saves.
+                With a node-local tier, each node's leader also deletes its newer local and
+                replica checkpoints.
 
         Raises:
             LeaseLostError: ``discard_newer`` while this job no longer holds the directory
@@ -294,13 +300,20 @@ class Checkpointer:
             threads=threads or default_threads(),
         )
         try:
-            result = restore_checkpoint(target, step, progress=progress)
+            if self.tiers is None:
+                result = restore_checkpoint(target, step, progress=progress)
+            else:
+                result = self.tiers.restore(target, step, progress=progress)
         except BaseException:
             self._saver.restore_failed()
             raise
         self._saver.restored(result)
+        if result is not None and result.partial is not None:
+            self._saver.restore_failed()  # no chain holds this mix of steps: the next is a full
         if result is not None:
             self._settle_newer(result.manifest.step, discard_newer)
+            if self.tiers is not None:
+                self.tiers.settle_newer(result.manifest.step, discard_newer)
         return result
 
     def _settle_newer(self, step: int, discard: bool) -> None:

@@ -122,6 +122,11 @@ class CheckpointConfig:
     lock_lease_s: float = 60.0
     write_retries: int = 4
     retry_backoff_s: float = 0.1
+    local_dir: str | None = None
+    replicas: int = 0
+    durable_every: int = 1
+    local_keep_last: int = 2
+    partial_recovery: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -132,6 +137,7 @@ class CheckpointConfig:
         for name in ("full_every", "write_retries", "retry_backoff_s", "pack_below_bytes"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_tiers(self)
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline {self.pipeline!r} is not one of {PIPELINES}")
         if not 0 < self.stall_bound < 1:
@@ -162,6 +168,28 @@ class CheckpointConfig:
 
 
 _T = TypeVar("_T")
+
+
+def check_tiers(config: CheckpointConfig) -> None:
+    """The node-local tier's settings: they need ``local_dir``, and one peer replica at most."""
+    if config.replicas not in (0, 1):
+        raise ConfigError(f"replicas must be 0 or 1, got {config.replicas}")
+    if config.durable_every < 1:
+        raise ConfigError(f"durable_every must be >= 1, got {config.durable_every}")
+    if config.local_keep_last < 0:
+        raise ConfigError(f"local_keep_last must be >= 0, got {config.local_keep_last}")
+    if config.local_dir is None:
+        given = [
+            name
+            for name, value in (
+                ("replicas", config.replicas != 0),
+                ("durable_every", config.durable_every != 1),
+                ("partial_recovery", config.partial_recovery),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need local_dir (the node-local tier)")
 
 
 def _shown(value: Any) -> str:

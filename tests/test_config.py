@@ -125,6 +125,11 @@ def test_defaults_and_field_names_are_unchanged() -> None:
         ("lock_lease_s", 60.0),
         ("write_retries", 4),
         ("retry_backoff_s", 0.1),
+        ("local_dir", None),
+        ("replicas", 0),
+        ("durable_every", 1),
+        ("local_keep_last", 2),
+        ("partial_recovery", False),
     ]
     config = CheckpointConfig()
     actual = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]

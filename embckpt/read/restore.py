@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -140,6 +141,13 @@ class RestoreResult:
             that changed since the chain's full base (the caller's tracker marks them).
         unused_statefuls: names of the statefuls the checkpoint holds that the restore was not
             given (``statefuls=``), sorted; also listed, with the reason, in ``skipped``.
+        bytes_by_tier, seconds_by_tier: with a node-local tier (``tiers/``), the bytes this
+            rank read from each tier (``local``, ``peer``: sent by another node over the process
+            group, ``durable``) and the busy seconds spent there; empty without one.
+        refused_copies: copies that failed their checks and were passed over for the next
+            one (path: reason).
+        partial: a partial recovery's report (``tiers.restore.PartialRecovery``): which
+            blocks came from which older step, and the fraction lost; None for a whole restore.
     """
 
     manifest: Manifest
@@ -151,6 +159,10 @@ class RestoreResult:
     diff_rows: tuple[tuple[str, torch.Tensor], ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
     unused_statefuls: tuple[str, ...] = ()
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    seconds_by_tier: dict[str, float] = field(default_factory=dict)
+    refused_copies: tuple[str, ...] = ()
+    partial: Any = None
 
 
 def restore_checkpoint(
@@ -220,7 +232,7 @@ def restore_checkpoint(
             chain = named_as_model(read_chain(store, target), into, path)
             check_model_matches(into, chain[-1], path)
             failpoints.hit("restore.plan")
-            reads = plan_reads(chain, into.sharded.shards)
+            reads = plan_reads(chain, into.row_shards())
         total = sum(r.planned_bytes for r in reads)
         show = comm.rank == 0 and (
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()

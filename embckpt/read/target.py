@@ -24,3 +24,10 @@ class RestoreTarget:
     comm: Collective
     store: CheckpointStore
     threads: int  # reader threads of this rank
+    # Only these blocks (``TableShard.key``) get rows; None: all. A partial recovery
+    # (``tiers/restore.py``) leaves the lost blocks as an older step restored them.
+    blocks: frozenset[str] | None = None
+
+    def row_shards(self) -> list[Any]:
+        """This rank's blocks whose rows the restore loads."""
+        return [s for s in self.sharded.shards if self.blocks is None or s.key in self.blocks]

@@ -34,3 +34,4 @@ class SaveContext:
     policy: Policy
     tables: tuple[TableEntry, ...]
     full_fp32_bytes: int
+    tiers: Any = None  # a ``tiers.save.TierSaver`` with a node-local tier: runs after each commit

@@ -130,7 +130,9 @@ class Persister:
             self._release_guard()
             self._discard_step(step)
             raise
-        if self.ctx.config.keep_last:  # without retention, the commit's agreement is the last
+        if ctx.tiers is not None:  # manifest copies, replica, durable copy, retention per tier
+            ctx.tiers.committed(manifest)
+        elif self.ctx.config.keep_last:  # without retention, the commit's agreement is the last
             if comm.rank == 0:
                 self._apply_retention(step)
             self._await_retention(step)

@@ -80,3 +80,24 @@ def temp_name(path: str) -> str:
 def is_temp(name: str) -> bool:
     """Whether a file name is a temporary one left by an interrupted write."""
     return TEMP_MARK in name
+
+
+REPLICAS_DIR = "replicas"  # under a node's local folder: ``replicas/<node>/step_*`` of a peer
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def node_folder(node: str) -> str:
+    """A node's folder under ``local_dir`` (``tiers/``): its id, refused if it could name
+    anything else (a path, ``..``).
+
+    Raises:
+        ValueError: the id is not letters, digits, ``.``, ``_`` and ``-``.
+    """
+    if not _NODE.match(node):
+        raise ValueError(f"node id {node!r}: use letters, digits, '.', '_' and '-' only")
+    return node
+
+
+def replica_folder(node: str) -> str:
+    """Where a node keeps the replica of peer ``node``'s files, relative to its own folder."""
+    return f"{REPLICAS_DIR}/{node_folder(node)}"
