@@ -273,7 +273,8 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         f"{row['before_write_reduction_x'] or float('nan'):.1f}x, oracle "
         f"{row['oracle_write_reduction_x']:.1f}x, one-shot {one_shot_x:.1f}x "
         f"({row['predictor_vs_oracle']:.3f}), storage {row['storage_reduction_x']:.1f}x, "
-        f"{row['bytes_per_written_row'] or float('nan'):.1f} B/row, rel l2 {row['restored_rel_l2']:.4f} vs "
+        f"{row['bytes_per_written_row'] or float('nan'):.1f} B/row, "
+        f"rel l2 {row['restored_rel_l2']:.4f} vs "
         f"{row['whole_row_rel_l2']:.4f}, restore {chain_s:.3f} s vs {full_s:.3f} s "
         f"({row['chain_vs_full_restore']:.2f}x), {row['runtime_s']:.0f} s",
         flush=True,
