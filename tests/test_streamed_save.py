@@ -128,12 +128,21 @@ def _within_budget(rank: int, world_size: int, root: str, codec: str) -> dict:
         row_group_rows=64,
     )
     model, opt = tm.build(world_size, seed=0)
-    out: dict = {"peaks": [], "capacity": [], "files": []}
+    out: dict = {"peaks": [], "capacity": [], "files": [], "allocations": []}
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
         arena = ckpt._saver.arena
+        allocate = arena._allocate
+        allocations: list[int] = []
+
+        def counted(nbytes: int) -> Any:
+            allocations.append(nbytes)
+            return allocate(nbytes)
+
+        arena._allocate = counted  # type: ignore[method-assign]
         for step in (1, 2):
             tm.train_step(model, opt, step, rank, hot=100)
             manifest = ckpt.save(step).wait()
+            out["allocations"].append(len(allocations))
             out["peaks"].append(arena.peak_bytes)
             out["capacity"].append(arena.capacity)
             out["held_after"] = arena.held_bytes
@@ -162,6 +171,9 @@ def test_a_save_counts_its_encoded_buffers_within_the_staging_budget(
         for peak, capacity in zip(out["peaks"], out["capacity"], strict=True):
             assert capacity < peak <= BUDGET, (rank, peak, capacity)
         assert out["files"][0] > 4, rank  # the full went in several files
+        # The arena is allocated once, by the first save, and reused (test_pipeline's
+        # test_the_arena_grows_once_to_the_largest_piece covers pieces that grow).
+        assert out["allocations"] == [1, 1], rank
 
 
 def _fails_mid_stream(rank: int, world_size: int, root: str) -> dict:

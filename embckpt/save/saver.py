@@ -334,6 +334,7 @@ class Saver:
         )
         try:
             pieces = self._stage_state(snapshot, decided)
+            self._stage_piece.prepare(pieces)
         except Exception as exc:
             snapshot.error = exc
             return snapshot
@@ -346,6 +347,7 @@ class Saver:
                 snapshot.entries.extend(
                     self.writer.write(step, staged, decision, self.codec, transaction.edits, clock)
                 )
+                del staged  # the piece is written: its views of the arena go
             except Exception as exc:
                 snapshot.error = exc
                 return snapshot

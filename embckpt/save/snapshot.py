@@ -141,6 +141,12 @@ class Stager:
         self.arena = arena
         self.stream = stream
 
+    def prepare(self, pieces: list[list[Unit]]) -> None:
+        """Grows the arena once, to the save's largest piece, before any piece is staged: grown
+        piece by piece, a larger piece would allocate its buffer while the previous piece's
+        views (and so its buffer) are still alive, the two side by side above the budget."""
+        self.arena.reserve(max(sum(unit.staged_bytes() for unit in piece) for piece in pieces))
+
     def __call__(self, piece: list[Unit]) -> list[StagedUnit]:
         failpoints.hit("save.stage")
         staged = stage(piece, self.arena, self.stream)
