@@ -47,7 +47,8 @@ class CheckpointConfig:
             chain's length; the predictor may still take fulls sooner).
         policy_options: settings of the policy (``intermittent``: ``rule`` = ``cost`` or
             ``checknrun``, ``restore_weight``, ``diffs`` = ``auto``, the default under ``cost``,
-            or ``one_shot``).
+            or ``one_shot``, ``max_chain``: the most a restore of the chain may read, in fulls,
+            1.2 by default under ``cost``).
         expected_restores: if set, the bit width of quantizing codecs follows the restores the
             job expects (Check-N-Run: 2 bits for 1, 3 for 3, 4 for 20, 8 beyond), widening once
             more restores happened than planned; overrides ``bits``.
