@@ -96,6 +96,18 @@ class CheckpointConfig:
             burst, short enough not to hold a failing save.
         retry_backoff_s: the wait before the first retry, doubled for each next one, with
             full jitter (a uniformly random part of it) and at most 5 s per wait.
+        local_dir: the node-local tier (``embckpt/tiers``): every checkpoint also goes to
+            ``<local_dir>/<node>/`` on each node (the node is the hostname, or the
+            ``EMBCKPT_NODE`` environment variable), and restores read each file from the
+            nearest copy; None (the default): the directory alone, as without tiers.
+        replicas: 1 sends each node's files to one peer node over the process group, which
+            keeps them as a replica under its local_dir (0: none).
+        durable_every: with local_dir, every this-many-th checkpoint also goes to the
+            Checkpointer's directory (the durable tier), with its chain.
+        local_keep_last: checkpoints each node's local folder keeps (retention per tier).
+        partial_recovery: when a node and its replica are both lost, restore the surviving
+            blocks from the newest step and the lost ones from the newest older step that
+            holds them (CPR), instead of the newest step restorable whole.
     """
 
     policy: str = "one_shot"
