@@ -104,7 +104,8 @@ class CheckpointConfig:
             keeps them as a replica under its local_dir (0: none).
         durable_every: with local_dir, every this-many-th checkpoint also goes to the
             Checkpointer's directory (the durable tier), with its chain.
-        local_keep_last: checkpoints each node's local folder keeps (retention per tier).
+        local_keep_last: checkpoints (with their chains) each node keeps of its own and of its
+            replica (retention per tier; 0 keeps every one; ``keep_last`` rules the durable).
         partial_recovery: when a node and its replica are both lost, restore the surviving
             blocks from the newest step and the lost ones from the newest older step that
             holds them (CPR), instead of the newest step restorable whole.
