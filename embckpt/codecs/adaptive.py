@@ -24,9 +24,9 @@ quantized and packed while it is still in L1. The ranges are exactly those of th
 walk it replaced (tests/test_codecs.py); the sums of squares run in another order than
 torch's, so the torch path's ranges differ on ~1e-5 of trained rows, no row's error by more
 than 0.1%. Measured on 131072 trained 64-dim rows (``benchmarks/codecs.py --quick``, thread
-CPU time, a shared 2-core AMD EPYC): the whole encode at 1.6-1.9 GB/s of fp32 rows per core
-with entropy ``none`` (1.2-1.4 up to the zstd-compressed file), from 0.95-1.0 before; the
-search alone 2.4-2.5 GB/s: ~12-13 ns per scored range, compute-bound in the sums (two ranges'
+CPU time, a 2-core AMD EPYC at load ~2): the whole encode at 1.8-2.1 GB/s of fp32 rows per
+core with entropy ``none`` (1.3-1.6 up to the zstd-compressed file), from 0.95-1.0 before; the
+search alone 2.5-2.6 GB/s: ~12-13 ns per scored range, compute-bound in the sums (two ranges'
 64 values: ~9 ns a step, measured alone). On other devices the walk runs vectorised over the
 batch in torch, in cache-sized chunks; the only Python loop is over the walk's steps (scoring
 one range costs about 6 passes over the rows there, ~0.25-0.5 ms per MB on this CPU).
