@@ -16,7 +16,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,6 +69,56 @@ def _unwrap(filesystem: pafs.FileSystem, path: str) -> tuple[pafs.FileSystem, st
     if isinstance(filesystem, pafs.LocalFileSystem):
         return filesystem, str(Path(path).absolute())
     return filesystem, path.rstrip("/")
+
+
+def check_whole(
+    data: pa.Buffer, expected: WrittenFile, path: str, clock: PhaseClock | None = None
+) -> pa.Buffer:
+    """``data``, a whole file, checked against the manifest's size and checksum (``clock``
+    gets the ``verify`` time).
+
+    Raises:
+        CheckpointCorruptError: truncated, extended or altered; names ``path``.
+    """
+    with timed(clock, "verify"):
+        checksums.verify_size(data.size, expected.bytes, path)
+        checksums.verify(data, expected.checksum, path)
+    return data
+
+
+def open_rows_from(
+    entry: FileEntry,
+    groups: Sequence[int] | None,
+    path: str,
+    whole: Callable[[], pa.Buffer],
+    source: Callable[[], pa.NativeFile],
+    clock: PhaseClock | None = None,
+) -> CheckedFile:
+    """The footer and row groups ``groups`` of rows file ``entry``, from wherever its bytes
+    are: ``whole()`` gives the whole file checked, ``source()`` a random-access file for
+    fetching ranges (a store's file, or a copy held in memory: ``tiers/read_store.py``).
+    What :meth:`CheckpointStore.open_rows` describes.
+    """
+    # Imported here: decoding needs the codecs (torch), which verify, inspect and the report
+    # never load.
+    from embckpt.storage.rowfile_read import open_ranges, whole_file
+
+    index = entry.partial_index
+    if entry.block is not None:
+        if index is None:
+            raise CheckpointCorruptError(
+                path, f"block {entry.block} of a packed file has no index of the file"
+            )
+        groups = range(len(index.row_groups)) if groups is None else groups
+    elif groups is None or index is None:
+        return whole_file(whole(), path)
+    opened = source()
+    try:
+        checksums.verify_size(opened.size(), entry.bytes, path)
+    except BaseException:
+        opened.close()
+        raise
+    return open_ranges(opened, path, entry.bytes, index, groups, clock, entry.block)
 
 
 class CheckpointStore:
@@ -352,13 +402,9 @@ class CheckpointStore:
         Raises:
             CheckpointCorruptError: missing, truncated, extended or altered; names the file.
         """
-        path = self.step_path(step, expected.path)
         with timed(clock, "fetch"):
             data = self.read_file(step, expected.path)
-        with timed(clock, "verify"):
-            checksums.verify_size(data.size, expected.bytes, path)
-            checksums.verify(data, expected.checksum, path)
-        return data
+        return check_whole(data, expected, self.step_path(step, expected.path), clock)
 
     def open_rows(
         self,
@@ -383,31 +429,25 @@ class CheckpointStore:
             CheckpointCorruptError: the file is missing, has another size than the manifest
                 says, or a range fetched does not match its checksum; names the file.
         """
-        # Imported here: decoding needs the codecs (torch), which verify, inspect and the
-        # report never load.
-        from embckpt.storage.rowfile_read import open_ranges, whole_file
-
         path = self._inside(step, entry.path)
-        index = entry.partial_index
-        if entry.block is not None:
-            if index is None:
-                raise CheckpointCorruptError(
-                    path, f"block {entry.block} of a packed file has no index of the file"
-                )
-            groups = range(len(index.row_groups)) if groups is None else groups
-        elif groups is None or index is None:
-            return whole_file(self.read_checked(step, entry.written, clock), path)
-        with timed(clock, "fetch"):
-            try:
-                source = pa.memory_map(path) if self.is_local else self.fs.open_input_file(path)
-            except (OSError, pa.ArrowException) as exc:
-                raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
-        try:
-            checksums.verify_size(source.size(), entry.bytes, path)
-        except BaseException:
-            source.close()
-            raise
-        return open_ranges(source, path, entry.bytes, index, groups, clock, entry.block)
+
+        def source() -> pa.NativeFile:
+            with timed(clock, "fetch"):
+                try:
+                    if self.is_local:
+                        return pa.memory_map(path)
+                    return self.fs.open_input_file(path)
+                except (OSError, pa.ArrowException) as exc:
+                    raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
+
+        return open_rows_from(
+            entry,
+            groups,
+            path,
+            lambda: self.read_checked(step, entry.written, clock),
+            source,
+            clock,
+        )
 
     def _inside(self, step: int, relative: str) -> str:
         """The full path of a file a manifest names, refused if the name leaves the step

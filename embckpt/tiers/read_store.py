@@ -24,12 +24,11 @@ from typing import TypeVar
 import pyarrow as pa
 
 from embckpt.errors import CheckpointCorruptError
-from embckpt.storage import checksum as checksums
-from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.fs import CheckpointStore, check_whole, open_rows_from
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import FileEntry, WrittenFile
-from embckpt.storage.phases import PhaseClock, timed
-from embckpt.storage.rowfile_read import CheckedFile, open_ranges, whole_file
+from embckpt.storage.phases import PhaseClock
+from embckpt.storage.rowfile_read import CheckedFile
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +127,7 @@ class TieredReadStore:
         self, step: int, expected: WrittenFile, clock: PhaseClock | None = None
     ) -> pa.Buffer:
         def from_memory(data: pa.Buffer) -> pa.Buffer:
-            path = f"{self.uri}:{expected.path}"
-            with timed(clock, "verify"):
-                checksums.verify_size(data.size, expected.bytes, path)
-                checksums.verify(data, expected.checksum, path)
-            return data
+            return check_whole(data, expected, f"{self.uri}:{expected.path}", clock)
 
         return self._first(
             step,
@@ -151,18 +146,13 @@ class TieredReadStore:
     ) -> CheckedFile:
         def from_memory(data: pa.Buffer) -> CheckedFile:
             path = f"{self.uri}:{entry.path}"
-            index = entry.partial_index
-            if entry.block is None and (groups is None or index is None):
-                with timed(clock, "verify"):
-                    checksums.verify_size(data.size, entry.bytes, path)
-                    checksums.verify(data, entry.checksum, path)
-                return whole_file(data, path)
-            if index is None:
-                raise CheckpointCorruptError(path, "block of a packed file has no index")
-            wanted = range(len(index.row_groups)) if groups is None else groups
-            checksums.verify_size(data.size, entry.bytes, path)
-            return open_ranges(
-                pa.BufferReader(data), path, entry.bytes, index, wanted, clock, entry.block
+            return open_rows_from(
+                entry,
+                groups,
+                path,
+                lambda: check_whole(data, entry.written, path, clock),
+                lambda: pa.BufferReader(data),
+                clock,
             )
 
         return self._first(
