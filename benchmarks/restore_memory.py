@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import os
 import shutil
@@ -44,14 +45,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import build_workload, write_result  # noqa: E402
+from scaling import DIM, TABLES, WORLD, model_config, parse_rows  # noqa: E402
 
 from embckpt.config import CheckpointConfig  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
-from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
+from embckpt.examples.workload import DemoConfig  # noqa: E402
 
-DIM = 64
-TABLES = 4
-WORLD = 2
 DIFFS = 5
 MODES = ("build", "full", "chain")
 SLACK = 1.10
@@ -79,26 +78,6 @@ def _libc() -> Any:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _Mallinfo2
     return libc
-
-
-def _rows(text: str) -> int:
-    units = {"K": 10**3, "M": 10**6}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def _config(rows: int) -> DemoConfig:
-    workload = WorkloadConfig(
-        cardinalities=(rows // TABLES,) * TABLES,
-        embedding_dim=DIM,
-        dense_arch=(128, DIM),
-        over_arch=(128, 1),
-        num_samples=65536,
-        batch_size=512,
-        sharding={f"t_cat_{i}": "row_wise" for i in range(TABLES)},
-    )
-    checkpoint = CheckpointConfig(policy="incremental", full_every=0)
-    return DemoConfig(workload=workload, checkpoint=checkpoint, world_size=WORLD)
 
 
 def _status(field: str) -> int:
@@ -220,8 +199,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
     parser.add_argument("--name", default="restore_memory", help="result file name")
     args = parser.parse_args()
-    rows = _rows(args.rows)
-    cfg = _config(rows)
+    rows = parse_rows(args.rows)
+    # The scaling model, checkpointed as a full and incremental diffs.
+    defaults = CheckpointConfig()
+    cfg = dataclasses.replace(
+        model_config(rows, defaults.staging_budget_bytes, defaults.io_threads),
+        checkpoint=CheckpointConfig(policy="incremental", full_every=0),
+    )
     root = args.dir or tempfile.mkdtemp(prefix="embckpt-restore-memory-")
     results: dict[str, Any] = {}
     try:

@@ -77,7 +77,8 @@ CHAIN_DIFFS = 5
 BUDGET_SLACK = 1.10
 
 
-def _rows(text: str) -> int:
+def parse_rows(text: str) -> int:
+    """Rows as the command line spells them: 1M, 2.4M, 500K, 1G or a number."""
     units = {"K": 10**3, "M": 10**6, "G": 10**9}
     text = text.strip().upper()
     if text and text[-1] in units:
@@ -85,7 +86,8 @@ def _rows(text: str) -> int:
     return int(text)
 
 
-def _config(rows: int, budget: int, threads: int) -> DemoConfig:
+def model_config(rows: int, budget: int, threads: int) -> DemoConfig:
+    """The scaling model: ``rows`` in all over :data:`TABLES` equal row-wise tables."""
     workload = WorkloadConfig(
         cardinalities=(rows // TABLES,) * TABLES,
         embedding_dim=DIM,
@@ -271,7 +273,7 @@ def _phases(pending: Any) -> dict[str, float]:
 
 
 def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = _config(rows, args.budget, args.threads)
+    cfg = model_config(rows, args.budget, args.threads)
     root = args.dir or tempfile.mkdtemp(prefix="embckpt-scaling-")
     try:
         alone = run_ranks(_memory_worker, WORLD, cfg, f"{root}/alone", 2, timeout_s=args.timeout)
@@ -338,7 +340,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per size")
     args = parser.parse_args()
     results: list[dict[str, Any]] = []
-    for rows in (_rows(s) for s in args.sizes.split(",")):
+    for rows in (parse_rows(s) for s in args.sizes.split(",")):
         needed, available = _memory_needed(rows, args.budget), _available()
         if needed > available:
             results.append(
