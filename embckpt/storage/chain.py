@@ -31,8 +31,18 @@ def read_manifest(store: CheckpointStore, step: int) -> Manifest:
     path = store.step_path(step, MANIFEST_NAME)
     if not store.is_committed(step):
         raise ChainIncompleteError(path, f"checkpoint of step {step} is not committed")
+    return manifest_from_bytes(store, step, store.read_file(step, MANIFEST_NAME).to_pybytes())
+
+
+def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manifest:
+    """Step ``step``'s manifest from its bytes, checked as :func:`read_manifest` checks it.
+
+    Raises:
+        CheckpointCorruptError: the manifest is damaged; names it.
+    """
+    path = store.step_path(step, MANIFEST_NAME)
     try:
-        text = store.read_file(step, MANIFEST_NAME).to_pybytes().decode()
+        text = data.decode()
     except UnicodeDecodeError as exc:
         raise CheckpointCorruptError(path, f"manifest is not UTF-8 text: {exc}") from exc
     manifest = Manifest.from_json(text, path)

@@ -32,7 +32,7 @@ from embckpt.errors import ChainIncompleteError, CheckpointCorruptError, RankErr
 from embckpt.read.plan import plan_reads
 from embckpt.read.restore import RestoreResult, restore_checkpoint
 from embckpt.read.target import RestoreTarget
-from embckpt.storage.chain import read_manifest
+from embckpt.storage.chain import manifest_from_bytes
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest, WrittenFile
@@ -91,8 +91,9 @@ class Located:
                 if step in self.manifest_bytes:
                     found = Manifest.from_json(self.manifest_bytes[step].decode(), f"step {step}")
                 elif step in self.durable:
-                    found = read_manifest(durable, step)
-                    self.manifest_bytes[step] = durable.read_file(step, MANIFEST_NAME).to_pybytes()
+                    data = durable.read_file(step, MANIFEST_NAME).to_pybytes()
+                    found = manifest_from_bytes(durable, step, data)
+                    self.manifest_bytes[step] = data
             except (CheckpointCorruptError, UnicodeDecodeError) as exc:
                 log.warning("step %d: manifest unreadable: %s", step, exc)
             self.parsed[step] = found
