@@ -9,7 +9,7 @@ Public API::
 
 Names are imported on first use (PEP 562), so ``import embckpt`` and the command line's
 ``--help`` do not pay for torch and TorchRec until something needs them. ``embckpt.report``
-holds the storage-cost reports.
+holds the storage-cost reports. Importing checks the installed release set (``versions.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
+
+from embckpt import versions as _versions
+
+_versions.check()  # an unsupported torch / fbgemm-gpu / torchrec set fails here, by name
 
 # name -> module that defines it
 _EXPORTS = {

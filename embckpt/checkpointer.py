@@ -34,7 +34,7 @@ from embckpt.save.saver import Saver
 from embckpt.save.tables import table_entries
 from embckpt.save.transaction import SaveState
 from embckpt.save.writer import RowFileWriter
-from embckpt.sharding import ShardedModel, check_placeable, discover
+from embckpt.sharding import ShardedModel, check_kernels, check_placeable, discover
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import Manifest
@@ -80,6 +80,7 @@ class Checkpointer:
     ) -> None:
         dense.optimizer_parts(optimizer, model)  # refuses what could not be saved or restored
         check_placeable(model)  # refuses sharded state that is no table's
+        check_kernels(model)  # and tables on kernels it cannot checkpoint exactly
         for name, obj in (statefuls or {}).items():
             if not (
                 callable(getattr(obj, "state_dict", None))

@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    DenseTableBatchedEmbeddingBagsCodegen,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
@@ -31,8 +35,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
 from embckpt.errors import ConfigError, ModelMismatchError
+from embckpt.kernel_cache import is_caching
 from embckpt.mch import MchTable, find_tables
 
+_EXACT_MODULES = (SplitTableBatchedEmbeddingBagsCodegen, DenseTableBatchedEmbeddingBagsCodegen)
 _TABLE_KEY = re.compile(r"^(?:(.*)\.)?(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
 
@@ -140,6 +146,8 @@ class ShardedModel:
     scalar_states: dict[str, torch.Tensor] = field(default_factory=dict)
     kernels: list[FusedKernel] = field(default_factory=list)
     mch: list[MchTable] = field(default_factory=list)
+    # FBGEMM kernels holding rows in an HBM cache in front of UVM (``kernel_cache``).
+    caching: list[nn.Module] = field(default_factory=list)
 
     def writer_shards(self) -> Iterator[TableShard]:
         return (s for s in self.shards if s.writer)
@@ -256,6 +264,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         scalar_states=scalars,
         kernels=kernels,
         mch=find_tables(model, state),
+        caching=[b.emb_module for _, b in collection_kernels(model) if is_caching(b.emb_module)],
     )
 
 
@@ -279,6 +288,43 @@ def check_placeable(model: nn.Module) -> None:
                 f"{key!r} ({type(value).__name__}) that embckpt cannot checkpoint: it saves "
                 "embedding tables (EmbeddingBagCollection, EmbeddingCollection, and their "
                 "managed-collision variants) and replicated dense state"
+            )
+
+
+# The compute kernels whose rows embckpt reads and writes exactly: FBGEMM's table-batched
+# training kernel through its ``split_embedding_weights`` views (in HBM, UVM, UVM behind an HBM
+# cache, host memory) and TorchRec's dense kernel. Key-value backends (SSD, DRAM virtual tables,
+# KV-ZCH) keep rows outside any such view; the quantized kernels are for inference.
+EXACT_COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching")
+
+
+def check_kernels(model: nn.Module) -> None:
+    """Refuses, when a Checkpointer is built, a table on a kernel whose rows embckpt cannot
+    read and write exactly (:data:`EXACT_COMPUTE_KERNELS`), by the plan DMP applied and by the
+    FBGEMM module each kernel runs.
+
+    Raises:
+        ConfigError: naming the table and its kernel.
+    """
+    plan = getattr(model, "plan", None)
+    for path, module_plan in getattr(plan, "plan", {}).items():
+        for name, sharding in getattr(module_plan, "items", lambda: [])():
+            kernel = getattr(sharding, "compute_kernel", None)
+            if kernel is not None and kernel not in EXACT_COMPUTE_KERNELS:
+                raise ConfigError(
+                    f"table {table_id(path, name)}: compute kernel {kernel!r} cannot be "
+                    f"checkpointed exactly by embckpt (supported: "
+                    f"{', '.join(EXACT_COMPUTE_KERNELS)})"
+                )
+    for path, batched in collection_kernels(model):
+        module = batched.emb_module
+        if not isinstance(module, _EXACT_MODULES):
+            tables = ", ".join(table_id(path, t.name) for t in batched._config.embedding_tables)
+            raise ConfigError(
+                f"table {tables}: its kernel runs {type(module).__name__}, whose rows embckpt "
+                "cannot read and write exactly (supported: FBGEMM's "
+                "SplitTableBatchedEmbeddingBagsCodegen and DenseTableBatchedEmbeddingBagsCodegen,"
+                f" the compute kernels {', '.join(EXACT_COMPUTE_KERNELS)})"
             )
 
 

@@ -22,14 +22,25 @@ import pytest
 import torch
 import toy_model as tm
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as Opt
-from fbgemm_gpu.tbe.config.optimizer_config import (
-    CounterBasedRegularizationDefinition,
-    CounterWeightDecayMode,
-    CowClipDefinition,
-    EmainplaceModeDefinition,
-    GlobalWeightDecayDefinition,
-    WeightDecayMode,
-)
+
+try:
+    from fbgemm_gpu.tbe.config.optimizer_config import (
+        CounterBasedRegularizationDefinition,
+        CounterWeightDecayMode,
+        CowClipDefinition,
+        EmainplaceModeDefinition,
+        GlobalWeightDecayDefinition,
+        WeightDecayMode,
+    )
+except ImportError:  # fbgemm-gpu < 1.8 keeps them beside the kernel
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # type: ignore[no-redef]
+        CounterBasedRegularizationDefinition,
+        CounterWeightDecayMode,
+        CowClipDefinition,
+        EmainplaceModeDefinition,
+        GlobalWeightDecayDefinition,
+        WeightDecayMode,
+    )
 
 from embckpt.examples.launcher import run_ranks
 

@@ -17,7 +17,8 @@ The flow, in the phases ``RestoreResult.phases`` times (every rank, together):
              restore never leaves a half-loaded model;
 4. decode  - the codecs named in each file decode bounded batches (``apply.py``);
 5. apply   - the dense state, RNG and stateful objects first (:mod:`embckpt.read.side_state`),
-             then the rows into this rank's blocks (additive codecs add, in chain order); the
+             then FBGEMM's row caches flushed and emptied (:mod:`embckpt.kernel_cache`) and
+             the rows written into this rank's blocks (additive codecs add, in chain order); the
              ranks agree once more. The result lists the rows the chain's diffs changed; the
              caller (``Checkpointer``) rebuilds its tracker from it.
 
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from embckpt import failpoints
+from embckpt import failpoints, kernel_cache
 from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
@@ -260,6 +261,8 @@ def restore_checkpoint(
     written = []
     try:
         failpoints.hit("restore.apply")
+        # No cached row may shadow a restored one, nor be written back over it later.
+        kernel_cache.drop_cached_rows(into.sharded.caching)
         written = apply_staged(staged, threads, clock)
     except Exception as exc:
         error = as_error(

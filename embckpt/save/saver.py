@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from embckpt import dense, failpoints
+from embckpt import dense, failpoints, kernel_cache
 from embckpt.codecs import Codec
 from embckpt.config import codec_for
 from embckpt.errors import RankError, SaveError, SaveRankError
@@ -369,6 +369,8 @@ class Saver:
                 selected.append((shard, rows, False))
         snapshot.transaction.take_bits()
         with snapshot.clock.time("snapshot"):
+            # Cached rows' updates reach UVM, where the copies read them (every rank).
+            kernel_cache.flush(ctx.sharded.caching)
             if ctx.comm.rank == 0:
                 snapshot.dense = dense.detached_copy(
                     dense.dense_state(
