@@ -15,7 +15,7 @@ SMOKE=${SMOKE:-0} bash .gpu/install.sh >"$OUT/install.log" 2>&1 || { tail -20 "$
 tail -4 "$OUT/install.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-timeout "${GPU_BENCH_S:-300}" python3 benchmarks/gpu.py --workers "${WORKERS:-6}" \
+PYTHONWARNINGS=ignore timeout "${GPU_BENCH_S:-300}" python3 benchmarks/gpu.py --workers "${WORKERS:-6}" \
   >"$OUT/gpu_bench.log" 2>&1
 echo "gpu.py exit $?"
 grep -E "^[a-z_]+/|cases run|    " "$OUT/gpu_bench.log" | cut -c1-220 | tail -80

@@ -54,7 +54,8 @@ def _fake_distribution(root: Path, name: str, version: str) -> None:
 
 
 def _import_embckpt(site: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join([str(site), str(Path(__file__).parents[1])])
+    inherited = os.environ.get("PYTHONPATH", "")
+    path = os.pathsep.join(p for p in (str(site), str(Path(__file__).parents[1]), inherited) if p)
     return subprocess.run(
         [sys.executable, "-c", "import embckpt"],
         env={**os.environ, "PYTHONPATH": path, **env},
