@@ -312,6 +312,10 @@ def run_case(
         fresh12, fresh16, _ = restored(12, False, range(13, 17))
         trained12, trained16, out["cached_rows_before_restore"] = restored(12, True, range(13, 17))
         fresh8, fresh8_12, _ = restored(8, False, range(9, 13))
+        if without_fix:
+            out["without_fix"] = _without_fix(
+                lambda: restored(12, True, range(13, 17)), fresh12, fresh16
+            )
         checks["fresh_restore_is_meant"] = tables_differ(fresh12, meant_at[12])
         checks["trained_restore"] = differences(trained12, fresh12)
         checks["trained_continued"] = differences(trained16, fresh16)
@@ -343,10 +347,6 @@ def run_case(
     checks["discard_newer_resave_is_meant"] = tables_differ(again, resaved)
     if lossless:
         checks["discard_newer_resave_is_live"] = differences(again, live_resaved)
-    if without_fix:
-        out["without_fix"] = _without_fix(
-            lambda: restored(12, True, range(13, 17)), fresh12, fresh16
-        )
     out["checks"] = checks
     out["exact"] = all(not found for found in checks.values())
     out["seconds"] = round(time.perf_counter() - started, 2)

@@ -318,13 +318,23 @@ def check_kernels(model: nn.Module) -> None:
                 )
     for path, batched in collection_kernels(model):
         module = batched.emb_module
+        tables = ", ".join(table_id(path, t.name) for t in batched._config.embedding_tables)
         if not isinstance(module, _EXACT_MODULES):
-            tables = ", ".join(table_id(path, t.name) for t in batched._config.embedding_tables)
             raise ConfigError(
                 f"table {tables}: its kernel runs {type(module).__name__}, whose rows embckpt "
                 "cannot read and write exactly (supported: FBGEMM's "
                 "SplitTableBatchedEmbeddingBagsCodegen and DenseTableBatchedEmbeddingBagsCodegen,"
                 f" the compute kernels {', '.join(EXACT_COMPUTE_KERNELS)})"
+            )
+        optimizer = getattr(getattr(module, "optimizer", None), "name", "")
+        if optimizer in _EVERY_ROW and is_caching(module):
+            # FBGEMM rewrites every row through the UVM views, behind the cache: what training
+            # computes then depends on which rows are cached, which no checkpoint holds.
+            raise ConfigError(
+                f"table {tables}: optimizer {optimizer} on fused_uvm_caching cannot be resumed "
+                "exactly: FBGEMM applies its every-row update to the table in UVM, ignoring the "
+                "rows cached in HBM, so training after a restore (which starts with an empty "
+                "cache) differs from training on; use fused_uvm or fused for this table"
             )
 
 

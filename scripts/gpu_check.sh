@@ -29,7 +29,7 @@ tail -15 "$OUT/gpu_tests.log"
 
 if [ -n "${CPU_TESTS:-}" ]; then
   CUDA_VISIBLE_DEVICES= timeout "${CPU_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider \
-    -m "not gpu" -n 8 $CPU_TESTS >"$OUT/cpu_tests.log" 2>&1
+    -m "not gpu" -n 8 --dist loadfile $CPU_TESTS >"$OUT/cpu_tests.log" 2>&1
   echo "cpu tests (CUDA hidden) exit $?"
   tail -12 "$OUT/cpu_tests.log"
 fi
