@@ -18,7 +18,9 @@ sit at the location (plus a data-parallel table):
 6. with ``raw``, each restored state also equals the writer's live state at that step.
 
 Every restored table block must equal what the writer meant its step to hold. States are read
-after flushing FBGEMM's caches (``kernel_cache.flush``): the values a lookup would see.
+after flushing FBGEMM's caches (``kernel_cache.flush``): the values a lookup would see. A case
+the Checkpointer refuses (EMA in place on ``fused_uvm_caching``) or FBGEMM or TorchRec cannot
+build is reported with its error.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's check, in one go: install the fbgemm-gpu 1.6 / torchrec 1.6.1 bundle (.gpu,
-# built by the shared gpu/build.sh), then, most important first,
+# The GPU machine's check, in one go: where a bundle in .gpu/ brings fbgemm-gpu and torchrec
+# (install.sh into /tmp/site), install it; then, most important first,
 #   1. benchmarks/gpu.py: every optimizer x location x codec (benchmarks/results/gpu.json);
 #   2. the GPU tests (pytest -m gpu) of the files that have them;
 #   3. with CUDA hidden, CPU tests under this release set (torch 2.11, fbgemm-gpu 1.6,
@@ -11,8 +11,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
-SMOKE=${SMOKE:-0} bash .gpu/install.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 3; }
-tail -4 "$OUT/install.log"
+if [ -f .gpu/install.sh ]; then  # else fbgemm-gpu and torchrec are installed already
+  SMOKE=${SMOKE:-0} bash .gpu/install.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 3; }
+  tail -4 "$OUT/install.log"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 PYTHONWARNINGS=ignore timeout "${GPU_BENCH_S:-300}" python3 benchmarks/gpu.py --workers "${WORKERS:-6}" \

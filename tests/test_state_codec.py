@@ -118,6 +118,7 @@ def test_log8_decode_refuses_metadata_without_its_range() -> None:
             codec.decode(bad, 2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_log8_encodes_on_the_tensors_device_alike() -> None:
     x = _states((500, 8), signed=True)
