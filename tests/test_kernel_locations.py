@@ -110,3 +110,69 @@ def test_kernels_it_cannot_checkpoint_exactly_are_refused_by_table(tmp_path) -> 
     assert f"table {locations.COLLECTION}.t_rw: compute kernel 'key_value'" in messages[0]
     assert "SSDTableBatchedEmbeddingBags" in messages[1]
     assert f"{locations.COLLECTION}.t_" in messages[1]
+
+
+# -- FBGEMM's cache contract, on CPU ---------------------------------------------------------
+class _CachedRow:
+    """FBGEMM's caching contract on one row of a CPU table: the row's newest value sits in the
+    cache and reaches the table only at ``flush`` (or an eviction, which writes the same way);
+    ``reset_cache_states`` drops it unwritten. What a prefetch left for the next forward is
+    there too."""
+
+    def __init__(self, weight: torch.Tensor, row: int, value: torch.Tensor) -> None:
+        self.weight, self.row, self.cached = weight, row, value
+        self.lxu_cache_weights = torch.ones(1)  # non-empty: a caching kernel
+        self.timesteps_prefetched = [3]
+        self.lxu_cache_locations_list = [torch.zeros(4, dtype=torch.int32)]
+        self.lxu_cache_locking_counter = torch.ones(2, 32, dtype=torch.int32)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        if self.cached is not None:
+            self.weight[self.row] = self.cached
+
+    def reset_cache_states(self) -> None:
+        self.cached = None
+
+
+def _cache_contract(rank: int, world_size: int, root: str) -> dict[str, bool]:
+    import toy_model as tm
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    model, opt = tm.build(world_size, 0, kinds=("tw",))
+    tm.train_step(model, opt, 1, rank)
+    with Checkpointer(model, root, optimizer=opt, config=CheckpointConfig(policy="full")) as ckpt:
+        weight = ckpt.sharded.shards[0].weight
+        newest = weight[3].detach() + 1.0  # the cache holds a newer row 3 than the table
+        cache = _CachedRow(weight, 3, newest.clone())
+        ckpt.sharded.caching.append(cache)
+        ckpt.save(1).wait()
+        with torch.no_grad():
+            weight[3] = 0.0  # training moves on: the table and the cache change
+        cache.cached = torch.full_like(newest, -5.0)
+        ckpt.restore(1)
+        restored = torch.equal(weight[3], newest)
+        cache.flush()  # a later flush or eviction
+        kept = torch.equal(weight[3], newest)
+    return {
+        "saved_the_cached_value": restored,
+        "no_stale_row_written_back": kept,
+        "prefetch_forgotten": not cache.timesteps_prefetched
+        and not cache.lxu_cache_locations_list
+        and not bool(cache.lxu_cache_locking_counter.any()),
+    }
+
+
+def test_a_caching_kernel_is_flushed_before_a_save_and_emptied_before_a_restore(
+    tmp_path,
+) -> None:
+    """On CPU, where FBGEMM has no cache, a stand-in keeps its contract: the save reads the
+    cached value (flushed first), and after the restore no stale cached row shadows or
+    overwrites the restored one."""
+    (found,) = run_ranks(_cache_contract, 1, str(tmp_path))
+    assert found == {
+        "saved_the_cached_value": True,
+        "no_stale_row_written_back": True,
+        "prefetch_forgotten": True,
+    }
