@@ -201,6 +201,8 @@ def _fails_mid_stream(rank: int, world_size: int, root: str) -> dict:
         except SaveError as exc:
             out["error"] = str(exc)
         store.write_file = write_file  # type: ignore[method-assign]
+        # Rank 0 deletes the failed step's folder before its own wait() raises: list after it.
+        torch.distributed.barrier()
         out["committed"] = store.committed_steps()
         out["debris"] = sorted(str(p) for p in Path(root).rglob("*") if ".tmp-" in p.name)
     fresh, fresh_opt = tm.build(world_size, seed=5)
