@@ -33,16 +33,10 @@ from typing import Any
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as Opt
 
-try:
-    from fbgemm_gpu.tbe.config.optimizer_config import (
-        EmainplaceModeDefinition,
-        EnsembleModeDefinition,
-    )
+try:  # FBGEMM's optimizer options (weight decay modes, EMA, ensemble, ...)
+    from fbgemm_gpu.tbe.config import optimizer_config as fbgemm_options
 except ImportError:  # fbgemm-gpu < 1.8 keeps them beside the kernel
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # type: ignore[no-redef]
-        EmainplaceModeDefinition,
-        EnsembleModeDefinition,
-    )
+    from fbgemm_gpu import split_table_batched_embeddings_ops_training as fbgemm_options
 
 COLLECTION = "sparse_arch.embedding_bag_collection"
 ROWS = 2000
@@ -67,11 +61,19 @@ OPTIMIZERS: dict[str, tuple[Opt, dict[str, Any]]] = {
     "lars_sgd": (Opt.LARS_SGD, {}),
     "ema_rowwise_adagrad": (
         Opt.EMAINPLACE_ROWWISE_ADAGRAD,
-        {"emainplace_mode": EmainplaceModeDefinition(step_ema=3, step_start=0, step_ema_coef=0.5)},
+        {
+            "emainplace_mode": fbgemm_options.EmainplaceModeDefinition(
+                step_ema=3, step_start=0, step_ema_coef=0.5
+            )
+        },
     ),
     "ensemble_rowwise_adagrad": (
         Opt.ENSEMBLE_ROWWISE_ADAGRAD,
-        {"ensemble_mode": EnsembleModeDefinition(step_ema=3, step_swap=5, step_ema_coef=0.5)},
+        {
+            "ensemble_mode": fbgemm_options.EnsembleModeDefinition(
+                step_ema=3, step_swap=5, step_ema_coef=0.5
+            )
+        },
     ),
 }
 GPU_ONLY = {"adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb", "lars_sgd"}

@@ -264,7 +264,7 @@ def discover(model: nn.Module, rank: int = 0) -> ShardedModel:
         scalar_states=scalars,
         kernels=kernels,
         mch=find_tables(model, state),
-        caching=[b.emb_module for _, b in collection_kernels(model) if is_caching(b.emb_module)],
+        caching=[k.module for k in kernels if is_caching(k.module)],
     )
 
 

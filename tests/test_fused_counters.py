@@ -12,9 +12,11 @@ refuses on CPU, run the same scenario on a GPU (``gpu`` marker).
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,26 +25,12 @@ import torch
 import toy_model as tm
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as Opt
 
-try:
-    from fbgemm_gpu.tbe.config.optimizer_config import (
-        CounterBasedRegularizationDefinition,
-        CounterWeightDecayMode,
-        CowClipDefinition,
-        EmainplaceModeDefinition,
-        GlobalWeightDecayDefinition,
-        WeightDecayMode,
-    )
-except ImportError:  # fbgemm-gpu < 1.8 keeps them beside the kernel
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # type: ignore[no-redef]
-        CounterBasedRegularizationDefinition,
-        CounterWeightDecayMode,
-        CowClipDefinition,
-        EmainplaceModeDefinition,
-        GlobalWeightDecayDefinition,
-        WeightDecayMode,
-    )
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-from embckpt.examples.launcher import run_ranks
+from locations import fbgemm_options as options  # noqa: E402
+from locations import state_of  # noqa: E402
+
+from embckpt.examples.launcher import run_ranks  # noqa: E402
 
 KINDS = ("tw", "rw", "cw")
 HOT = 60  # most rows are never looked up: diffs are partial
@@ -50,11 +38,11 @@ SAVES = (3, 6, 8)  # full, diff, diff
 STEPS = 12
 
 
-def _counter(mode: CounterWeightDecayMode) -> dict[str, Any]:
+def _counter(mode: options.CounterWeightDecayMode) -> dict[str, Any]:
     return {
         "weight_decay": 0.01,
-        "weight_decay_mode": WeightDecayMode.COUNTER,
-        "counter_based_regularization": CounterBasedRegularizationDefinition(
+        "weight_decay_mode": options.WeightDecayMode.COUNTER,
+        "counter_based_regularization": options.CounterBasedRegularizationDefinition(
             counter_weight_decay_mode=mode,
             counter_halflife=2,
             adjustment_iter=4,
@@ -63,37 +51,48 @@ def _counter(mode: CounterWeightDecayMode) -> dict[str, Any]:
     }
 
 
-def _decay(mode: WeightDecayMode) -> dict[str, Any]:
+def _decay(mode: options.WeightDecayMode) -> dict[str, Any]:
     return {"weight_decay": 0.01, "weight_decay_mode": mode}
 
 
 # name -> (optimizer, extra FBGEMM options): every one FBGEMM runs on CPU.
 CPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
     "sgd": (Opt.EXACT_SGD, {}),
-    "adagrad_l2": (Opt.EXACT_ADAGRAD, _decay(WeightDecayMode.L2)),
-    "adagrad_decouple": (Opt.EXACT_ADAGRAD, _decay(WeightDecayMode.DECOUPLE)),
-    "rowwise_l2": (Opt.EXACT_ROWWISE_ADAGRAD, _decay(WeightDecayMode.L2)),
-    "rowwise_decouple": (Opt.EXACT_ROWWISE_ADAGRAD, _decay(WeightDecayMode.DECOUPLE)),
-    "rowwise_counter": (Opt.EXACT_ROWWISE_ADAGRAD, _counter(CounterWeightDecayMode.DECOUPLE)),
-    "rowwise_adagradw": (Opt.EXACT_ROWWISE_ADAGRAD, _counter(CounterWeightDecayMode.ADAGRADW)),
+    "adagrad_l2": (Opt.EXACT_ADAGRAD, _decay(options.WeightDecayMode.L2)),
+    "adagrad_decouple": (Opt.EXACT_ADAGRAD, _decay(options.WeightDecayMode.DECOUPLE)),
+    "rowwise_l2": (Opt.EXACT_ROWWISE_ADAGRAD, _decay(options.WeightDecayMode.L2)),
+    "rowwise_decouple": (Opt.EXACT_ROWWISE_ADAGRAD, _decay(options.WeightDecayMode.DECOUPLE)),
+    "rowwise_counter": (
+        Opt.EXACT_ROWWISE_ADAGRAD,
+        _counter(options.CounterWeightDecayMode.DECOUPLE),
+    ),
+    "rowwise_adagradw": (
+        Opt.EXACT_ROWWISE_ADAGRAD,
+        _counter(options.CounterWeightDecayMode.ADAGRADW),
+    ),
     "rowwise_cowclip": (
         Opt.EXACT_ROWWISE_ADAGRAD,
         {
             "weight_decay": 0.01,
-            "weight_decay_mode": WeightDecayMode.COWCLIP,
-            "cowclip_regularization": CowClipDefinition(
-                counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=2
+            "weight_decay_mode": options.WeightDecayMode.COWCLIP,
+            "cowclip_regularization": options.CowClipDefinition(
+                counter_weight_decay_mode=options.CounterWeightDecayMode.DECOUPLE,
+                counter_halflife=2,
             ),
         },
     ),
     "ema": (
         Opt.EMAINPLACE_ROWWISE_ADAGRAD,
-        {"emainplace_mode": EmainplaceModeDefinition(step_ema=3, step_start=0, step_ema_coef=0.5)},
+        {
+            "emainplace_mode": options.EmainplaceModeDefinition(
+                step_ema=3, step_start=0, step_ema_coef=0.5
+            )
+        },
     ),
 }
 GPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
     "adam": (Opt.ADAM, {}),
-    "adam_decouple": (Opt.ADAM, _decay(WeightDecayMode.DECOUPLE)),
+    "adam_decouple": (Opt.ADAM, _decay(options.WeightDecayMode.DECOUPLE)),
     "partial_rowwise_adam": (Opt.PARTIAL_ROWWISE_ADAM, {}),
     "lamb": (Opt.LAMB, {}),
     "partial_rowwise_lamb": (Opt.PARTIAL_ROWWISE_LAMB, {}),
@@ -101,8 +100,8 @@ GPU_CASES: dict[str, tuple[Opt, dict[str, Any]]] = {
         Opt.EXACT_ROWWISE_ADAGRAD,
         {
             "weight_decay": 0.01,
-            "weight_decay_mode": WeightDecayMode.DECOUPLE_GLOBAL,
-            "global_weight_decay": GlobalWeightDecayDefinition(start_iter=2),
+            "weight_decay_mode": options.WeightDecayMode.DECOUPLE_GLOBAL,
+            "global_weight_decay": options.GlobalWeightDecayDefinition(start_iter=2),
         },
     ),
     "rowwise_counter": CPU_CASES["rowwise_counter"],
@@ -123,17 +122,10 @@ def _step(model, opt, step: int, rank: int, device: str) -> None:
     opt.step()
 
 
-def _state(model, opt, rank: int) -> dict[str, np.ndarray]:
+def _state(model, opt) -> dict[str, np.ndarray]:
     """Every row, optimizer state and dense tensor of this rank, and FBGEMM's counters with
     the host copy its steps use (numpy: it goes back to the parent process)."""
-    from embckpt.sharding import discover
-
-    out = tm.snapshot_state(model, opt, rank)
-    for kernel in discover(model, rank).kernels:
-        for name, value in kernel.counters().items():
-            out[f"c:{kernel.blocks}:{name}"] = value.clone()
-        out[f"c:{kernel.blocks}:iter_cpu"] = kernel.module.iter_cpu.clone()
-    return {k: v.cpu().numpy() for k, v in out.items()}
+    return {k: v.numpy() for k, v in state_of(model, opt).items()}
 
 
 def _train(rank: int, world_size: int, root: str, cases: dict, device: str) -> dict[str, Any]:
@@ -150,9 +142,9 @@ def _train(rank: int, world_size: int, root: str, cases: dict, device: str) -> d
                 if step in SAVES:
                     ckpt.save(step).wait()
                 if step == SAVES[-1]:
-                    out[name] = {"saved": _state(model, opt, rank)}
+                    out[name] = {"saved": _state(model, opt)}
             out[name]["kinds"] = [h.kind for h in ckpt.head.history] if ckpt.head else []
-        out[name]["end"] = _state(model, opt, rank)
+        out[name]["end"] = _state(model, opt)
     return out
 
 
@@ -170,13 +162,13 @@ def _resume(
         _step(model, opt, 101, rank, device)  # one step: off the EMA's phase (3) too
         with Checkpointer(model, f"{root}/{name}", optimizer=opt) as ckpt:
             restored = ckpt.restore()
-        after_restore = _state(model, opt, rank)
+        after_restore = _state(model, opt)
         for step in range(SAVES[-1] + 1, STEPS + 1):
             _step(model, opt, step, rank, device)
         out[name] = {
             "restored": restored,
             "after_restore": _differences(expected["saved"], after_restore),
-            "after_steps": _differences(expected["end"], _state(model, opt, rank)),
+            "after_steps": _differences(expected["end"], _state(model, opt)),
         }
     return out
 
