@@ -42,6 +42,8 @@ class _TrackedModule:
     table_of_feature: torch.Tensor  # int64 [features]
     table_base: torch.Tensor  # int64 [tables]: first bit of each block
     replicated: bool
+    emb_module: nn.Module
+    last: torch.Tensor | None = None  # bits of the last lookup (for save/protect.py)
 
 
 class RowTracker:
@@ -101,6 +103,7 @@ class RowTracker:
             ),
             table_base=torch.tensor(bases, dtype=torch.long, device=device),
             replicated=replicated,
+            emb_module=batched.emb_module,
         )
         self._modules.append(tracked)
         self._hooks.append(
@@ -112,14 +115,18 @@ class RowTracker:
 
     @staticmethod
     def _on_lookup(tracked: _TrackedModule, args: tuple, kwargs: dict) -> None:
+        """Marks the looked-up rows without a host synchronisation (sizes are known on the
+        host), and keeps their bits for the save's copy-on-write hooks."""
         indices = kwargs["indices"] if "indices" in kwargs else args[0]
         offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
         if indices.numel() == 0:
+            tracked.last = None
             return
         indices = indices.to(torch.long)
         num_tables = tracked.table_base.numel()
         if num_tables == 1:
             tracked.pending[indices] = True
+            tracked.last = indices
             return
         num_features = tracked.table_of_feature.numel()
         num_bags = offsets.numel() - 1
@@ -128,7 +135,7 @@ class RowTracker:
             # Variable batch sizes: feature f owns sum(per_feature[f]) consecutive bags.
             counts = torch.tensor([sum(b) for b in per_feature], device=indices.device)
             feature_of_bag = torch.repeat_interleave(
-                torch.arange(num_features, device=indices.device), counts
+                torch.arange(num_features, device=indices.device), counts, output_size=num_bags
             )
         else:
             feature_of_bag = torch.arange(num_bags, device=indices.device) // (
@@ -136,9 +143,12 @@ class RowTracker:
             )
         base_of_bag = tracked.table_base[tracked.table_of_feature[feature_of_bag]]
         lengths = offsets[1:] - offsets[:-1]
-        tracked.pending[torch.repeat_interleave(base_of_bag, lengths.to(torch.long)) + indices] = (
-            True
-        )
+        # output_size: without it repeat_interleave reads the total back from the device.
+        bits = torch.repeat_interleave(
+            base_of_bag, lengths.to(torch.long), output_size=indices.numel()
+        ).add_(indices)
+        tracked.pending[bits] = True
+        tracked.last = bits
 
     # -- reading and consuming views ---------------------------------------------------------
     def _fold(self) -> None:
@@ -194,6 +204,19 @@ class RowTracker:
         for view in View:
             for bits in self._views[view]:
                 bits.zero_()
+
+    def lookups(self) -> list[tuple[nn.Module, _TrackedModule]]:
+        """Each tracked kernel and its tracking state (its index is its module number)."""
+        return [(m.emb_module, m) for m in self._modules]
+
+    def layout(self, key: str) -> tuple[int, int]:
+        """(module number, first bit) of block ``key`` in its module's bitmaps."""
+        module, first, _ = self._slices[key]
+        return module, first
+
+    def module_bits(self) -> list[int]:
+        """Bits of each tracked module's bitmaps."""
+        return [int(m.pending.numel()) for m in self._modules]
 
     def close(self) -> None:
         """Removes the hooks."""

@@ -21,6 +21,8 @@ from embckpt.codecs import Codec
 from embckpt.errors import SaveError, SaveRankError, as_error
 from embckpt.policy import Decision, Kind, assumed_chain_bytes
 from embckpt.save.context import SaveContext
+from embckpt.save.copier import run_copier
+from embckpt.save.cow import CowSession
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
@@ -49,6 +51,7 @@ class Snapshot:
     dense: dict[str, Any] | None = None
     rank: dict[str, Any] = field(default_factory=dict)
     pending: list[Unit] = field(default_factory=list)
+    session: CowSession | None = None  # a copy-on-write window: the copier runs in the persist
     staged: list[StagedUnit] = field(default_factory=list)
     entries: list[FileEntry] = field(default_factory=list)
     error: BaseException | None = None
@@ -93,7 +96,9 @@ class Persister:
         started = time.perf_counter()
         try:
             error = snapshot.error
-            if error is None and snapshot.pending:
+            if error is None and snapshot.session is not None:
+                error = self._copy_and_write(snapshot, snapshot.session)
+            elif error is None and snapshot.pending:
                 try:
                     with snapshot.clock.time("snapshot"):
                         snapshot.staged = self._stage_piece(snapshot.pending)
@@ -137,6 +142,28 @@ class Persister:
                 self._apply_retention(step)
             self._await_retention(step)
         return manifest.with_stats(persist_seconds=time.perf_counter() - started)
+
+    def _copy_and_write(self, snapshot: Snapshot, session: CowSession) -> BaseException | None:
+        """Runs a copy-on-write window's copier, units written as they are copied."""
+
+        def write(units: list[StagedUnit]) -> None:
+            entries = self.writer.write(
+                snapshot.step,
+                units,
+                snapshot.decision,
+                snapshot.codec,
+                snapshot.transaction.edits,
+                snapshot.clock,
+            )
+            snapshot.entries.extend(entries)
+
+        try:
+            failpoints.hit("save.stage")
+            with snapshot.clock.time("snapshot"):
+                run_copier(session, write)
+        except Exception as exc:
+            return exc
+        return None
 
     def _discard_step(self, step: int) -> None:
         """Rank 0, after a failed save: deletes its files, manifest first if one was written

@@ -52,10 +52,13 @@ from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
 from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
-from embckpt.save.snapshot import Stager, Unit, plan_pieces, plan_units
-from embckpt.save.staging import StagingArena, split_budget
+from embckpt.save.protect import ProtectHooks, cow_supported, open_window
+from embckpt.save.slabs import SlabPool
+from embckpt.save.snapshot import Stager, plan_save
+from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
+from embckpt.sharding import TableShard
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import PhaseClock
@@ -105,6 +108,11 @@ class Saver:
             if context.config.pipeline == "full"
             else None
         )
+        # Copy-on-write (pipeline "full" where every update follows a lookup): save() returns
+        # once the window is open; the copier and the steps copy the rows (save/cow.py).
+        cow = context.config.pipeline == "full" and cow_supported(context.sharded)
+        self._hooks = ProtectHooks(state.tracker) if cow else None
+        self.slabs = SlabPool(context.config.staging_budget_bytes, device.type == "cuda")
         self._blocked_since_tick = 0.0
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
@@ -132,6 +140,7 @@ class Saver:
         started = time.perf_counter()
         self.finish_inflight()
         self.arena.reset_peak()
+        self.slabs.reset_peak()
         self.follow_expected_restores()
         transaction = SaveTransaction(step, self.state)
         try:
@@ -155,7 +164,7 @@ class Saver:
                     except Exception as exc:  # reported on every rank by the persist
                         snapshot.error = exc
                     snapshot.pending = []
-                elif snapshot.pending and self._guard is not None:
+                elif snapshot.session is None and snapshot.pending and self._guard is not None:
                     self._guard.hold()  # weight updates wait until the background copy is done
                 self._thread.submit(_run_into, future, self._persister.persist, snapshot)
         except BaseException:  # an interrupt: errors go to the persist, which reports them
@@ -333,7 +342,24 @@ class Saver:
             restores=self.restores,
         )
         try:
-            pieces = self._stage_state(snapshot, decided)
+            selected = self._stage_state(snapshot, decided)
+            if self._hooks is not None:
+                self.writer.staging = self.slabs
+                with clock.time("snapshot"):
+                    snapshot.session = open_window(
+                        self.state.tracker,
+                        selected,
+                        self.slabs,
+                        self._hooks,
+                        self.ctx.config.max_file_rows,
+                        None,
+                    )
+                return snapshot
+            self.writer.staging = self.arena
+            config = self.ctx.config
+            pieces = plan_save(
+                selected, config.staging_budget_bytes, config.io_threads, config.max_file_rows
+            )
             self._stage_piece.prepare(pieces)
         except Exception as exc:
             snapshot.error = exc
@@ -354,19 +380,22 @@ class Saver:
         snapshot.pending = pieces[-1]
         return snapshot
 
-    def _stage_state(self, snapshot: Snapshot, decided: _Decided) -> list[list[Unit]]:
+    def _stage_state(
+        self, snapshot: Snapshot, decided: _Decided
+    ) -> list[tuple[TableShard, torch.Tensor | None]]:
         """Takes the tracker views, copies the dense and rank state (the statefuls' and the
-        counters as taken at the decision), and plans the pieces."""
+        counters as taken at the decision); returns each block's rows to write (None: all)."""
         ctx, tracker = self.ctx, self.state.tracker
         decision = snapshot.decision
-        selected = []
-        for shard in ctx.sharded.writer_shards():
-            if decision.kind is Kind.FULL:
-                rows = torch.arange(shard.num_rows, device=shard.weight.device)
-                selected.append((shard, rows, True))
-            else:
-                rows = tracker.dirty(shard.key, tracker_view(decision))
-                selected.append((shard, rows, False))
+        selected: list[tuple[TableShard, torch.Tensor | None]] = [
+            (
+                s,
+                None
+                if decision.kind is Kind.FULL
+                else tracker.dirty(s.key, tracker_view(decision)),
+            )
+            for s in ctx.sharded.writer_shards()
+        ]
         snapshot.transaction.take_bits()
         with snapshot.clock.time("snapshot"):
             # Cached rows' updates reach UVM, where the copies read them (every rank).
@@ -382,9 +411,7 @@ class Saver:
                 )
             snapshot.rank = dense.detached_copy(dense.rank_state(decided.states, ctx.sharded.mch))
         failpoints.hit("save.plan")
-        arena, unit = split_budget(ctx.config.staging_budget_bytes, ctx.config.io_threads)
-        units = plan_units(selected, ctx.config.max_file_rows, arena, unit)
-        return plan_pieces(units, arena)
+        return selected
 
     def _release_guard(self) -> None:
         if self._guard is not None:
@@ -426,8 +453,11 @@ class Saver:
         finally:
             self._thread.shutdown(wait=True)
             self.writer.close()
+            self.slabs.close()
             if self._guard is not None:
                 self._guard.close()
+            if self._hooks is not None:
+                self._hooks.close()
 
 
 def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args: Any) -> None:

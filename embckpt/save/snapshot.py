@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from embckpt import failpoints
-from embckpt.save.staging import StagingArena
+from embckpt.save.staging import StagingArena, split_budget
 from embckpt.sharding import TableShard
 
 _ALIGN_SLACK = 64  # bytes the arena may pad each staged tensor with
@@ -58,6 +58,7 @@ class StagedUnit:
     weights: torch.Tensor
     row_states: dict[str, torch.Tensor] = field(default_factory=dict)
     elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    fused: torch.Tensor | None = None  # weights already quantized on the device (uint8 rows)
 
 
 def plan_units(
@@ -86,6 +87,22 @@ def plan_units(
         for part, lo in enumerate(range(0, int(rows.numel()), chunk)):
             units.append(Unit(shard, part, rows[lo : lo + chunk], contiguous))
     return units
+
+
+def plan_save(
+    selected: list[tuple[TableShard, torch.Tensor | None]],
+    budget_bytes: int,
+    threads: int,
+    max_rows: int,
+) -> list[list[Unit]]:
+    """The pieces of a save staged piece by piece: each block's rows to write (None: all),
+    cut into units and grouped under the staging budget (``staging.split_budget``)."""
+    arena, unit = split_budget(budget_bytes, threads)
+    shards_rows = [
+        (s, torch.arange(s.num_rows, device=s.weight.device) if r is None else r, r is None)
+        for s, r in selected
+    ]
+    return plan_pieces(plan_units(shards_rows, max_rows, arena, unit), arena)
 
 
 def plan_pieces(units: list[Unit], budget_bytes: int) -> list[list[Unit]]:

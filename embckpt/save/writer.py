@@ -31,6 +31,7 @@ from embckpt.config import CheckpointConfig
 from embckpt.policy import Decision, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
+from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import StagedUnit
 from embckpt.save.staging import StagingArena
 from embckpt.storage.fs import CheckpointStore
@@ -130,7 +131,8 @@ class RowFileWriter:
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
         self._packs: dict[int, int] = {}  # step -> packed files written so far
         self._packs_lock = threading.Lock()
-        self.staging: StagingArena | None = None  # set by the saver: counts encoded buffers
+        # Set by the saver before each save: counts encoded buffers against the budget.
+        self.staging: StagingArena | SlabPool | None = None
 
     def write(
         self,
@@ -259,6 +261,9 @@ class RowFileWriter:
         records in ``edits.reference`` what its rows reconstruct as."""
         capture = edits.capture is not None
         cols = unit.unit.shard.num_cols
+        if unit.fused is not None:  # quantized on the device: the codec's CPU path's bytes
+            encoded = codec.encode_fused(unit.fused, True)
+            return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]
         if not codec.additive:
             encoded = codec.encode(unit.weights)
             return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]

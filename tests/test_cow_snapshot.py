@@ -1,0 +1,147 @@
+"""Copy-on-write snapshots (save/cow.py): training goes on while a checkpoint is copied out in
+small chunks, and rows a step is about to update are copied first. The checkpoint must hold the
+state as of its step exactly, whatever the steps did during the window, a job restored from it
+must train on exactly like the writer, and a failure in the window must leave the previous
+checkpoint restorable and every staging slab given back."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import toy_model as tm
+
+from embckpt.examples.launcher import run_ranks
+
+BUDGET = 20000  # a few 4 KB slabs: the copier waits for writes, so steps run in the window
+
+
+def _slow_writes(ckpt, seconds: float) -> None:
+    real = ckpt.store.write_file
+
+    def slow(step, relative, data, *checksum, **timing):
+        time.sleep(seconds)
+        return real(step, relative, data, *checksum, **timing)
+
+    ckpt.store.write_file = slow
+
+
+def _window_scenario(rank: int, world_size: int, root: str) -> dict:
+    from embckpt import CheckpointConfig, Checkpointer
+
+    out: dict = {}
+    for policy in ("full", "one_shot"):
+        config = CheckpointConfig(policy=policy, staging_budget_bytes=BUDGET)
+        model, opt = tm.build(world_size, seed=0)
+        ckpt = Checkpointer(model, f"{root}/{policy}", optimizer=opt, config=config)
+        for step in range(1, 5):
+            tm.train_step(model, opt, step, rank, hot=120)
+        ckpt.save(4).wait()
+        for step in range(5, 31):  # nearly every row: the diff is larger than the slabs too
+            tm.train_step(model, opt, step, rank)
+        at_save = tm.snapshot_state(model, opt, rank)
+        _slow_writes(ckpt, 0.05)
+        handle = ckpt.save(30)
+        session = ckpt._saver._hooks.session
+        steps_in_window = 0
+        for step in range(31, 37):  # hot rows: the saved rows are the ones these steps update
+            tm.train_step(model, opt, step, rank, hot=120)
+            steps_in_window += int(not handle.done())
+        manifest = handle.wait()
+        at_36 = tm.snapshot_state(model, opt, rank)
+        ckpt.close()
+        fresh, fresh_opt = tm.build(world_size, seed=5)
+        with Checkpointer(fresh, f"{root}/{policy}", optimizer=fresh_opt, config=config) as other:
+            restored = other.restore()
+            after_restore = tm.differences(at_save, tm.snapshot_state(fresh, fresh_opt, rank))
+            for step in range(31, 37):
+                tm.train_step(fresh, fresh_opt, step, rank, hot=120)
+            continued = tm.differences(at_36, tm.snapshot_state(fresh, fresh_opt, rank))
+        out[policy] = {
+            "kind": manifest.kind,
+            "restored": restored,
+            "steps_in_window": steps_in_window,
+            "protected_rows": session.protected_rows,
+            "after_restore": after_restore,
+            "continued": continued,
+        }
+    return out
+
+
+def _failure_scenario(rank: int, world_size: int, root: str) -> dict:
+    from embckpt import CheckpointConfig, Checkpointer, SaveError, failpoints
+
+    config = CheckpointConfig(policy="full", staging_budget_bytes=BUDGET)
+    model, opt = tm.build(world_size, seed=0)
+    ckpt = Checkpointer(model, root, optimizer=opt, config=config)
+    tm.train_step(model, opt, 1, rank, hot=120)
+    ckpt.save(1).wait()
+    at_1 = tm.snapshot_state(model, opt, rank)
+    _slow_writes(ckpt, 0.02)
+    if rank == 1:
+        failpoints.arm("save.write", nth=3)
+    handle = ckpt.save(2)
+    for step in range(2, 6):
+        tm.train_step(model, opt, step, rank, hot=120)
+    error = tm.raised(handle.wait)
+    failpoints.disarm()
+    slabs_in_use = ckpt._saver.slabs._in_use
+    held = ckpt._saver.slabs.held_bytes
+    tm.train_step(model, opt, 6, rank, hot=120)
+    at_6 = tm.snapshot_state(model, opt, rank)
+    next_kind = ckpt.save(6).wait().kind
+    ckpt.close()
+    fresh, fresh_opt = tm.build(world_size, seed=5)
+    with Checkpointer(fresh, root, optimizer=fresh_opt, config=config) as other:
+        first = other.restore(1)
+        one = tm.differences(at_1, tm.snapshot_state(fresh, fresh_opt, rank))
+        latest = other.restore()
+        six = tm.differences(at_6, tm.snapshot_state(fresh, fresh_opt, rank))
+    return {
+        "error": error,
+        "slabs_in_use": slabs_in_use,
+        "held": held,
+        "next_kind": next_kind,
+        "restored": (first, latest),
+        "one": one,
+        "six": six,
+        "saved_type": SaveError.__name__,
+    }
+
+
+def _both(rank: int, world_size: int, root: str) -> dict:
+    return {
+        "window": _window_scenario(rank, world_size, f"{root}/w"),
+        "failure": _failure_scenario(rank, world_size, f"{root}/f"),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    with tempfile.TemporaryDirectory() as root:
+        return run_ranks(_both, 2, root)
+
+
+@pytest.mark.parametrize("policy", ["full", "one_shot"])
+def test_steps_in_the_window_do_not_reach_the_checkpoint(results, policy) -> None:
+    for rank, result in enumerate(results):
+        got = result["window"][policy]
+        assert got["kind"] == ("full" if policy == "full" else "diff"), rank
+        assert got["steps_in_window"] >= 2, (rank, got)  # training ran while it was copied
+        assert got["protected_rows"] > 0, (rank, got)  # and steps copied rows before updates
+        assert got["restored"] == 30
+        assert got["after_restore"] == [], (rank, got["after_restore"])
+        assert got["continued"] == [], (rank, got["continued"])
+
+
+def test_a_failure_in_the_window_gives_every_slab_back_and_keeps_the_previous_checkpoint(
+    results,
+) -> None:
+    for rank, result in enumerate(results):
+        got = result["failure"]
+        assert got["error"] is not None and "step 2" in got["error"], (rank, got["error"])
+        assert got["slabs_in_use"] == 0 and got["held"] == 0, (rank, got)
+        assert got["next_kind"] == "full"
+        assert got["restored"] == (1, 6)
+        assert got["one"] == [] and got["six"] == [], (rank, got)
