@@ -14,7 +14,9 @@ import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
 
-BUDGET = 20000  # a few 4 KB slabs: the copier waits for writes, so steps run in the window
+BUDGET = 20000  # a few 2.5 KB slabs: the copier waits for writes, so steps run in the window
+# Small blocks are packed: copied out of their slabs, which never wait. Unpacked, they hold them.
+UNPACKED = {"staging_budget_bytes": BUDGET, "pack_below_bytes": 0}
 
 
 def _slow_writes(ckpt, seconds: float) -> None:
@@ -32,7 +34,7 @@ def _window_scenario(rank: int, world_size: int, root: str) -> dict:
 
     out: dict = {}
     for policy in ("full", "one_shot"):
-        config = CheckpointConfig(policy=policy, staging_budget_bytes=BUDGET)
+        config = CheckpointConfig(policy=policy, **UNPACKED)
         model, opt = tm.build(world_size, seed=0)
         ckpt = Checkpointer(model, f"{root}/{policy}", optimizer=opt, config=config)
         for step in range(1, 5):
@@ -72,7 +74,7 @@ def _window_scenario(rank: int, world_size: int, root: str) -> dict:
 def _failure_scenario(rank: int, world_size: int, root: str) -> dict:
     from embckpt import CheckpointConfig, Checkpointer, SaveError, failpoints
 
-    config = CheckpointConfig(policy="full", staging_budget_bytes=BUDGET)
+    config = CheckpointConfig(policy="full", **UNPACKED)
     model, opt = tm.build(world_size, seed=0)
     ckpt = Checkpointer(model, root, optimizer=opt, config=config)
     tm.train_step(model, opt, 1, rank, hot=120)

@@ -378,14 +378,15 @@ class CowSession:
         tensors = {n: t.index_select(0, keep) for n, t in segment.tensors.items()}
         return self._unit(segment.block, segment.local_rows[keep], tensors, False), _nbytes(tensors)
 
-    def protected_units(self, segments: list[Segment]) -> tuple[list[StagedUnit], int]:
-        """Units of a sealed slab: per block, its segments merged in row order (a copy)."""
+    def protected_units(self, segments: list[Segment]) -> list[StagedUnit]:
+        """Units of a sealed slab: per block, its segments merged in row order (copies out of
+        the slab)."""
         by_block: dict[tuple[str, tuple[str, ...]], list[Segment]] = {}
         for segment in segments:
             segment.fence.synchronize()
             key = (segment.block.shard.key, tuple(sorted(segment.tensors)))
             by_block.setdefault(key, []).append(segment)
-        units, held = [], 0
+        units = []
         for parts in by_block.values():
             rows = torch.cat([s.local_rows for s in parts])
             order = torch.argsort(rows)
@@ -393,9 +394,8 @@ class CowSession:
                 name: torch.cat([s.tensors[name] for s in parts]).index_select(0, order)
                 for name in parts[0].tensors
             }
-            held += _nbytes(tensors)
             units.append(self._unit(parts[0].block, rows[order], tensors, False))
-        return units, held
+        return units
 
     def _unit(
         self, block: CowBlock, rows: torch.Tensor, tensors: dict[str, torch.Tensor], whole: bool

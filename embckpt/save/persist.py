@@ -26,7 +26,7 @@ from embckpt.save.cow import CowSession
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
-from embckpt.save.writer import RowFileWriter
+from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter
 from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile, files_bytes
 from embckpt.storage.phases import PhaseClock
@@ -160,7 +160,7 @@ class Persister:
         try:
             failpoints.hit("save.stage")
             with snapshot.clock.time("snapshot"):
-                run_copier(session, write)
+                run_copier(session, write, self.writer.pack_below_bytes, PACKED_FILE_BYTES)
         except Exception as exc:
             return exc
         return None

@@ -1,0 +1,358 @@
+"""What a checkpoint costs the training loop: save() blocking, step overhead, memory, DCP.
+
+One rank, a DLRM whose ``--tables`` tables of ``--rows`` x ``--dim`` fp32 rows sit in the
+device's memory (table-wise, FBGEMM's fused kernel, row-wise Adagrad), batches of ``--batch``
+samples with ``--ids`` skewed ids per bag (a few hot rows, a long tail). Every figure is
+measured in this run, ours and DCP's interleaved on the same model:
+
+- ``tracking_pct``: mean step time with a Checkpointer attached (lookup tracking and the
+  copy-on-write hooks, no save) against without one, median of interleaved rounds;
+- ``d2h_floor_s``: one copy of every table byte into pinned host memory (CPU: a memcpy);
+- ``save_block_s_full`` / ``save_block_s_diff``: how long ``save()`` holds the training thread
+  with the default ``CheckpointConfig()`` (its first save is a full, the next a one-shot
+  diff), while training goes on during the copy;
+- ``extra_hbm_bytes``: the device's peak allocated memory over those saves and the steps
+  trained meanwhile, less the peak of the same steps without a save;
+- ``host_bytes_peak``: the staging slabs and encoded buffers at their peak (the budget's view);
+- ``step_overhead_pct_1_per_100``: mean step time over 300 steps with a full checkpoint after
+  steps 100, 200 and 300 (``policy="full"``, default codec; the last is waited for) against
+  300 steps without; ``..._adaptive4`` the same with adaptive 4-bit codes;
+- ``encode_gbps``: fp32 rows per second through the adaptive 4-bit device encoder (GPU only);
+- ``dcp_async_save_block_s``: how long ``torch.distributed.checkpoint.async_save`` blocks;
+- ``save_vs_dcp`` / ``restore_vs_dcp``: our full lossless save (waited) and restore against
+  ``dcp.save`` / ``dcp.load`` of the model's state dict, best of ``--rounds`` interleaved.
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/stall.py                 # the H100 model
+    python benchmarks/stall.py --device cpu --rows 200000 --dim 64 --batch 2048   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from common import write_result  # noqa: E402
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
+    """The DLRM, sharded table-wise on this one rank with FBGEMM's fused kernel."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    torch.manual_seed(0)
+    names = [f"t{i}" for i in range(args.tables)]
+    tables = [
+        EmbeddingBagConfig(
+            name=n, embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f_{n}"]
+        )
+        for n in names
+    ]
+    model = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=13,
+        dense_arch_layer_sizes=[512, 256, args.dim],
+        over_arch_layer_sizes=[1024, 1024, 512, 256, 1],
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+    )
+    collection = model.sparse_arch.embedding_bag_collection
+    plan = construct_module_sharding_plan(
+        collection,
+        {n: table_wise(rank=0, compute_kernel="fused") for n in names},
+        sharder=sharder,
+        local_size=1,
+        world_size=1,
+        device_type=device.type,
+    )
+    dmp = DistributedModelParallel(
+        model,
+        device=device,
+        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        sharders=[sharder],
+    )
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    return dmp, torch.optim.Adagrad(list(dense.values()), lr=0.01)
+
+
+def batches(args: argparse.Namespace, device: torch.device, count: int = 8) -> list[Any]:
+    """Skewed ids (u**4 of the rows: a few hot rows, a long tail), fixed bag length."""
+    from torchrec import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        n = args.tables * args.batch * args.ids
+        ids = (torch.rand(n, generator=gen) ** 4 * args.rows).long().clamp_(max=args.rows - 1)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f_t{i}" for i in range(args.tables)],
+            values=ids,
+            lengths=torch.full((args.tables * args.batch,), args.ids, dtype=torch.int32),
+        ).to(device)
+        dense = torch.rand(args.batch, 13, generator=gen).to(device)
+        labels = (torch.rand(args.batch, generator=gen) < 0.3).float().to(device)
+        out.append((dense, kjt, labels))
+    return out
+
+
+class Trainer:
+    def __init__(self, model: Any, opt: Any, data: list[Any], device: torch.device) -> None:
+        self.model, self.opt, self.data, self.device = model, opt, data, device
+        self.i = 0
+
+    def step(self) -> None:
+        dense, kjt, labels = self.data[self.i % len(self.data)]
+        self.i += 1
+        self.opt.zero_grad()
+        logits = self.model(dense, kjt).squeeze(-1)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+        self.opt.step()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def mean_step(self, steps: int, every: int = 0, save: Any = None) -> float:
+        """Mean seconds per step over ``steps`` (with ``save(step)`` after every
+        ``every``-th one), the device synchronised at both ends."""
+        self.sync()
+        started = time.perf_counter()
+        for n in range(1, steps + 1):
+            self.step()
+            if every and n % every == 0:
+                save(n)
+        self.sync()
+        return (time.perf_counter() - started) / steps
+
+
+def d2h_floor(model: Any) -> float:
+    from embckpt.sharding import discover
+
+    shards = discover(model).shards
+    pinned = [
+        torch.empty(s.weight.shape, dtype=s.weight.dtype, pin_memory=s.weight.is_cuda)
+        for s in shards
+    ]
+    best = float("inf")
+    for _ in range(3):
+        if shards[0].weight.is_cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for out, s in zip(pinned, shards, strict=True):
+            out.copy_(s.weight, non_blocking=True)
+        if shards[0].weight.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def peak_device(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    device = torch.device(args.device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    model, opt = build(args, device)
+    train = Trainer(model, opt, batches(args, device), device)
+    root = Path(tempfile.mkdtemp(dir=args.dir))
+    out: dict[str, Any] = {}
+    table_bytes = args.tables * args.rows * args.dim * 4
+    out["table_bytes"] = table_bytes
+    train.mean_step(20)  # warm up
+
+    # Tracking: steps with a Checkpointer attached against without, interleaved.
+    plain, tracked = [], []
+    for _ in range(args.rounds):
+        plain.append(train.mean_step(args.steps))
+        with Checkpointer(model, str(root / "t"), optimizer=opt):
+            tracked.append(train.mean_step(args.steps))
+    out["step_s"] = statistics.median(plain)
+    out["tracked_step_s"] = statistics.median(tracked)
+    out["tracking_pct"] = 100 * (out["tracked_step_s"] / out["step_s"] - 1)
+    out["d2h_floor_s"] = d2h_floor(model)
+
+    # save() blocking with the default config (full, then a one-shot diff), training on.
+    reset_peak(device)
+    for _ in range(20):
+        train.step()
+    train.sync()
+    plain_peak = peak_device(device)
+    reset_peak(device)
+    with Checkpointer(model, str(root / "default"), optimizer=opt) as ckpt:
+        blocks = {}
+        for kind, step in (("full", 20), ("diff", 40)):
+            for _ in range(20):
+                train.step()
+            train.sync()
+            handle = ckpt.save(step)
+            blocks[kind] = handle.blocked_s
+            while not handle.done():
+                train.step()
+            manifest = handle.wait()
+            out[f"save_{kind}_kind"] = manifest.kind
+            out[f"save_{kind}_persist_s"] = manifest.stats.get("persist_seconds")
+        train.sync()
+        out["host_bytes_peak"] = ckpt._saver.slabs.peak_bytes
+        out["host_overflows"] = ckpt._saver.slabs.overflows
+    out["save_block_s_full"] = blocks["full"]
+    out["save_block_s_diff"] = blocks["diff"]
+    out["extra_hbm_bytes"] = max(peak_device(device) - plain_peak, 0)
+    shutil.rmtree(root / "default", ignore_errors=True)
+
+    # Step overhead with a full checkpoint every 100 steps.
+    for name, options in (("", {}), ("_adaptive4", {"codec": "adaptive", "bits": 4})):
+        base = train.mean_step(300)
+        folder = root / f"every100{name}"
+        config = CheckpointConfig(policy="full", keep_last=1, **options)
+        with Checkpointer(model, str(folder), optimizer=opt, config=config) as ckpt:
+            handles = []
+            mean = train.mean_step(300, 100, lambda n: handles.append(ckpt.save(n)))
+            blocked = [h.blocked_s for h in handles]
+            handles[-1].wait()
+        out[f"step_overhead_pct_1_per_100{name}"] = 100 * (mean / base - 1)
+        out[f"save_block_s_1_per_100{name}"] = blocked
+        shutil.rmtree(folder, ignore_errors=True)
+
+    out["encode_gbps"] = encode_gbps(model) if device.type == "cuda" else None
+
+    # Ours against DCP, interleaved on the same model.
+    ours_save, ours_restore, dcp_save, dcp_load, dcp_async = [], [], [], [], []
+    config = CheckpointConfig(policy="full", pipeline="off")
+    for r in range(args.rounds):
+        folder = root / f"ours{r}"
+        train.step()
+        train.sync()
+        with Checkpointer(model, str(folder), optimizer=opt, config=config) as ckpt:
+            started = time.perf_counter()
+            ckpt.save(1).wait()
+            ours_save.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            ckpt.restore()
+            train.sync()
+            ours_restore.append(time.perf_counter() - started)
+        shutil.rmtree(folder, ignore_errors=True)
+        state = {"model": model.state_dict()}
+        folder = root / f"dcp{r}"
+        started = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(folder))
+        dcp_save.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        dcp.load(state, checkpoint_id=str(folder))
+        train.sync()
+        dcp_load.append(time.perf_counter() - started)
+        shutil.rmtree(folder, ignore_errors=True)
+        try:  # its staging of TorchRec's ShardedTensors fails on some releases
+            started = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(root / f"async{r}"))
+            dcp_async.append(time.perf_counter() - started)
+            future.result()
+        except Exception as exc:
+            out["dcp_async_save_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        shutil.rmtree(root / f"async{r}", ignore_errors=True)
+    out.update(
+        ours_save_s=ours_save,
+        ours_restore_s=ours_restore,
+        dcp_save_s=dcp_save,
+        dcp_load_s=dcp_load,
+        dcp_async_save_block_s=min(dcp_async) if dcp_async else None,
+        save_vs_dcp=min(ours_save) / min(dcp_save),
+        restore_vs_dcp=min(ours_restore) / min(dcp_load),
+    )
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def encode_gbps(model: Any) -> float | None:
+    """The adaptive 4-bit device encoder's rate over one table's rows (None without it)."""
+    try:
+        from embckpt.codecs import device_encode, make_codec
+        from embckpt.sharding import discover
+    except ImportError:
+        return None
+    weight = discover(model).shards[0].weight
+    if not device_encode.is_available(weight.device):
+        return None
+    return device_encode.measure_gbps(make_codec("adaptive", {"bits": 4}), weight)
+
+
+SUMMARY = (
+    "save_block_s_full",
+    "save_block_s_diff",
+    "step_overhead_pct_1_per_100",
+    "extra_hbm_bytes",
+    "host_bytes_peak",
+    "encode_gbps",
+    "tracking_pct",
+    "d2h_floor_s",
+    "dcp_async_save_block_s",
+    "save_vs_dcp",
+    "restore_vs_dcp",
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--ids", type=int, default=8)
+    p.add_argument("--steps", type=int, default=100, help="steps per tracking round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--out", default=None, help="result name under benchmarks/results")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    started = time.perf_counter()
+    figures = measure(args)
+    result = {
+        "summary": {k: figures.get(k) for k in SUMMARY},
+        "model": {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids")},
+        "figures": figures,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    for key, value in result["summary"].items():
+        print(f"{key:<32} {value}")
+    if args.out:
+        print(write_result(args.out, result))
+
+
+if __name__ == "__main__":
+    main()
