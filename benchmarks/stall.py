@@ -48,6 +48,7 @@ from common import write_result  # noqa: E402
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
     """The DLRM, sharded table-wise on this one rank with FBGEMM's fused kernel."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -55,8 +56,6 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
     from torchrec.distributed.types import ShardingPlan
     from torchrec.models.dlrm import DLRM
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     torch.manual_seed(0)
     names = [f"t{i}" for i in range(args.tables)]
@@ -238,8 +237,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         folder = root / f"every100{name}"
         config = CheckpointConfig(policy="full", keep_last=1, **options)
         with Checkpointer(model, str(folder), optimizer=opt, config=config) as ckpt:
-            handles = []
-            mean = train.mean_step(300, 100, lambda n: handles.append(ckpt.save(n)))
+            handles: list[Any] = []
+            mean = train.mean_step(300, 100, lambda n, h=handles, c=ckpt: h.append(c.save(n)))
             blocked = [h.blocked_s for h in handles]
             handles[-1].wait()
         out[f"step_overhead_pct_1_per_100{name}"] = 100 * (mean / base - 1)
