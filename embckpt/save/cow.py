@@ -30,6 +30,7 @@ device; a whole chunk of a full save is copied straight from the table).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -79,28 +80,31 @@ class Segment:
 
 
 class _Fence:
-    """Completion of an asynchronous copy: a CUDA event, or a threading event on CPU."""
+    """Completion of an asynchronous copy: a CUDA event (with a gate: set once the event is
+    recorded, since waiting on an unrecorded event does not wait), or a threading event."""
 
     def __init__(self, cuda: bool) -> None:
-        self.event: Any = torch.cuda.Event() if cuda else threading.Event()
+        self.event: Any = torch.cuda.Event() if cuda else None
+        self.recorded = threading.Event()  # CPU: the copy is done; CUDA: the event recorded
+
+    def record(self, stream: Any) -> None:
+        if self.event is not None:
+            self.event.record(stream)
+        self.recorded.set()
 
     def done(self) -> bool:
-        return bool(
-            self.event.query() if isinstance(self.event, torch.cuda.Event) else self.event.is_set()
-        )
+        return self.recorded.is_set() and (self.event is None or bool(self.event.query()))
 
     def wait_on(self, stream: Any) -> None:
         """Makes ``stream`` (CUDA) or this thread (CPU) wait for the copy."""
-        if isinstance(self.event, torch.cuda.Event):
+        self.recorded.wait()
+        if self.event is not None:
             stream.wait_event(self.event)
-        else:
-            self.event.wait()
 
     def synchronize(self) -> None:
-        if isinstance(self.event, torch.cuda.Event):
+        self.recorded.wait()
+        if self.event is not None:
             self.event.synchronize()
-        else:
-            self.event.wait()
 
 
 class CowSession:
@@ -202,7 +206,8 @@ class CowSession:
                 self._slices.popleft().wait_on(stream)  # bounds the gathers in flight
             gathered = self._gather(block.shard, rows, None)
             slab, at = self._room(_nbytes(gathered))
-            segment = self._copy(block, rows, gathered, slab, at, stream)
+            segment = self._copy(block, rows.cpu(), gathered, slab, at, stream)
+            segment.fence.record(self.side)
             self._slab_segments.append(segment)
             if self.cuda:
                 self._slices.append(segment.fence)
@@ -251,9 +256,11 @@ class CowSession:
         slab: torch.Tensor,
         at: int,
         stream: Any | None,
+        fence: _Fence | None = None,
     ) -> Segment:
-        """Copies ``gathered`` into the slab from byte ``at``, asynchronously on CUDA."""
-        fence = _Fence(self.cuda)
+        """Copies ``gathered`` into the slab from byte ``at``, asynchronously on CUDA (after
+        ``stream``'s work); ``rows`` are the local rows, on the CPU."""
+        fence = fence or _Fence(self.cuda)
         views = {}
         for name, tensor in gathered.items():
             size = _aligned(tensor.numel() * tensor.element_size())
@@ -264,18 +271,17 @@ class CowSession:
             )
             at += size
         if self.cuda:
-            assert self.side is not None
-            self.side.wait_stream(stream)
-            with torch.cuda.stream(self.side):
+            side: Any = self.side
+            if stream is not side:
+                side.wait_stream(stream)
+            with torch.cuda.stream(side):
                 for name, tensor in gathered.items():
                     views[name].copy_(tensor, non_blocking=True)
-                    tensor.record_stream(self.side)
-                fence.event.record(self.side)
+                    tensor.record_stream(side)
         else:
             for name, tensor in gathered.items():
                 views[name].copy_(tensor)
-            fence.event.set()
-        return Segment(block, rows.cpu(), views, fence)
+        return Segment(block, rows, views, fence)
 
     # -- the copier ----------------------------------------------------------------------------
     def _spans(self, block: CowBlock) -> Iterator[tuple[int, int]]:
@@ -306,36 +312,39 @@ class CowSession:
         else:
             slab = self.pool.take()
         mod = self.modules[module]
-        with self._lock:
-            if block.rows is None:
-                rows = None
+        rows = None if block.rows is None else block.rows[span[0] : span[1]]
+        local = torch.arange(*span) if rows is None else rows.cpu()
+        fence = _Fence(self.cuda)
+        with self._lock, torch.cuda.stream(self.train) if self.cuda else contextlib.nullcontext():
+            # Claims, in the one order every claim follows (the lock, the training stream).
+            if rows is None:
                 bits = mod.claimed[block.first + span[0] : block.first + span[1]]
                 mask = ~bits
                 bits.fill_(True)
             else:
-                rows = block.rows[span[0] : span[1]]
                 mask = ~mod.claimed[rows + block.first]
                 mod.claimed[rows + block.first] = True
-            if self.cuda:
-                assert self.side is not None and self.train is not None
-                self.side.wait_stream(self.train)
-                with torch.cuda.stream(self.side):
-                    gathered = self._gather(block.shard, rows, span if rows is None else None)
-                    local = rows if rows is not None else torch.arange(*span, device=mask.device)
-                    segment = self._copy(block, local, gathered, slab, 0, self.side)
-                    host_mask = torch.empty(mask.shape, dtype=torch.bool, pin_memory=True)
-                    host_mask.copy_(mask, non_blocking=True)
-                    segment.fence.event.record(self.side)
-                mod.inflight.append(segment.fence)
-                return segment, slab, host_mask
-            fence = _Fence(False)
-            mod.inflight.append(fence)
-        # CPU: copied outside the lock; steps wait on the fence before their update.
-        gathered = self._gather(block.shard, rows, span if rows is None else None)
-        local = rows if rows is not None else torch.arange(*span)
-        segment = self._copy(block, local, gathered, slab, 0, None)
-        fence.event.set()
-        return segment, slab, mask
+            claimed = torch.cuda.Event() if self.cuda else None
+            if claimed is not None:
+                claimed.record(self.train)
+            mod.inflight.append(fence)  # steps wait for it before their next update
+        # The copy, outside the lock: a step meeting the fence first waits until it is set.
+        span_or_none = span if rows is None else None
+        if not self.cuda:
+            segment = self._copy(
+                block, local, self._gather(block.shard, rows, span_or_none), slab, 0, None, fence
+            )
+            fence.record(None)
+            return segment, slab, mask
+        self.side.wait_event(claimed)
+        with torch.cuda.stream(self.side):
+            gathered = self._gather(block.shard, rows, span_or_none)
+            segment = self._copy(block, local, gathered, slab, 0, self.side, fence)
+            host_mask = torch.empty(mask.shape, dtype=torch.bool, pin_memory=True)
+            host_mask.copy_(mask, non_blocking=True)
+            mask.record_stream(self.side)
+            fence.record(self.side)
+        return segment, slab, host_mask
 
     def copy_eager(self) -> None:
         """Copies the eager blocks now (``save()``); on CUDA the training stream waits for
