@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
@@ -29,36 +30,45 @@ def _slow_writes(ckpt, seconds: float) -> None:
     ckpt.store.write_file = slow
 
 
-def _window_scenario(rank: int, world_size: int, root: str) -> dict:
+def _train(model, opt, step: int, rank: int, device: str, hot: int | None = None) -> None:
+    """toy_model's step, on ``device``."""
+    dense, kjt, labels = tm.batch(step, rank, hot=hot)
+    opt.zero_grad()
+    logits = model(dense.to(device), kjt.to(torch.device(device))).squeeze(-1)
+    torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(device)).backward()
+    opt.step()
+
+
+def _window_scenario(rank: int, world_size: int, root: str, device: str = "cpu") -> dict:
     from embckpt import CheckpointConfig, Checkpointer
 
     out: dict = {}
     for policy in ("full", "one_shot"):
         config = CheckpointConfig(policy=policy, **UNPACKED)
-        model, opt = tm.build(world_size, seed=0)
+        model, opt = tm.build(world_size, seed=0, device=device)
         ckpt = Checkpointer(model, f"{root}/{policy}", optimizer=opt, config=config)
         for step in range(1, 5):
-            tm.train_step(model, opt, step, rank, hot=120)
+            _train(model, opt, step, rank, device, hot=120)
         ckpt.save(4).wait()
         for step in range(5, 31):  # nearly every row: the diff is larger than the slabs too
-            tm.train_step(model, opt, step, rank)
+            _train(model, opt, step, rank, device)
         at_save = tm.snapshot_state(model, opt, rank)
         _slow_writes(ckpt, 0.05)
         handle = ckpt.save(30)
         session = ckpt._saver._hooks.session
         steps_in_window = 0
         for step in range(31, 37):  # hot rows: the saved rows are the ones these steps update
-            tm.train_step(model, opt, step, rank, hot=120)
+            _train(model, opt, step, rank, device, hot=120)
             steps_in_window += int(not handle.done())
         manifest = handle.wait()
         at_36 = tm.snapshot_state(model, opt, rank)
         ckpt.close()
-        fresh, fresh_opt = tm.build(world_size, seed=5)
+        fresh, fresh_opt = tm.build(world_size, seed=5, device=device)
         with Checkpointer(fresh, f"{root}/{policy}", optimizer=fresh_opt, config=config) as other:
             restored = other.restore()
             after_restore = tm.differences(at_save, tm.snapshot_state(fresh, fresh_opt, rank))
             for step in range(31, 37):
-                tm.train_step(fresh, fresh_opt, step, rank, hot=120)
+                _train(fresh, fresh_opt, step, rank, device, hot=120)
             continued = tm.differences(at_36, tm.snapshot_state(fresh, fresh_opt, rank))
         out[policy] = {
             "kind": manifest.kind,
@@ -125,16 +135,28 @@ def results() -> list[dict]:
         return run_ranks(_both, 2, root)
 
 
+def _check_window(got: dict, policy: str, rank: int) -> None:
+    assert got["kind"] == ("full" if policy == "full" else "diff"), rank
+    assert got["steps_in_window"] >= 2, (rank, got)  # training ran while it was copied
+    assert got["protected_rows"] > 0, (rank, got)  # and steps copied rows before updates
+    assert got["restored"] == 30
+    assert got["after_restore"] == [], (rank, got["after_restore"])
+    assert got["continued"] == [], (rank, got["continued"])
+
+
 @pytest.mark.parametrize("policy", ["full", "one_shot"])
 def test_steps_in_the_window_do_not_reach_the_checkpoint(results, policy) -> None:
     for rank, result in enumerate(results):
-        got = result["window"][policy]
-        assert got["kind"] == ("full" if policy == "full" else "diff"), rank
-        assert got["steps_in_window"] >= 2, (rank, got)  # training ran while it was copied
-        assert got["protected_rows"] > 0, (rank, got)  # and steps copied rows before updates
-        assert got["restored"] == 30
-        assert got["after_restore"] == [], (rank, got["after_restore"])
-        assert got["continued"] == [], (rank, got["continued"])
+        _check_window(result["window"][policy], policy, rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steps_in_the_window_do_not_reach_the_checkpoint_on_a_gpu(tmp_path) -> None:
+    """The same on CUDA: claims on the training stream, copies on a side stream."""
+    (got,) = run_ranks(_window_scenario, 1, str(tmp_path), "cuda")
+    for policy in ("full", "one_shot"):
+        _check_window(got[policy], policy, 0)
 
 
 def test_a_failure_in_the_window_gives_every_slab_back_and_keeps_the_previous_checkpoint(
