@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from embckpt.codecs import Codec, DeltaCodec
 from embckpt.save.cow import CowBlock, CowSession, Encoder
 from embckpt.save.slabs import SlabPool
 from embckpt.sharding import ShardedModel, TableShard
@@ -84,3 +85,22 @@ def open_window(
     session.copy_eager()
     hooks.session = session
     return session
+
+
+def device_encoder(codec: Codec, full: bool, device: torch.device) -> Encoder | None:
+    """Quantization on the device before the copy (Check-N-Run), where the save writes whole
+    rows through a uniform codec on a CUDA model: the codec itself, or for a full the whole-row
+    codec of ``delta`` diffs. The copies and host slabs then carry codes, not fp32 rows."""
+    if device.type != "cuda":
+        return None
+    whole: Codec | None = codec
+    if codec.additive:
+        whole = codec.whole if full and isinstance(codec, DeltaCodec) else None
+    if whole is None:
+        return None
+    from embckpt.codecs import device_encode  # Triton: imported where a GPU model saves
+
+    if not device_encode.is_available(device):
+        return None
+    chosen = whole
+    return lambda rows: device_encode.device_fused(chosen, rows)

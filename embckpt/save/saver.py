@@ -52,7 +52,7 @@ from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
 from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
-from embckpt.save.protect import ProtectHooks, cow_supported, open_window
+from embckpt.save.protect import ProtectHooks, cow_supported, device_encoder, open_window
 from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import Stager, plan_save
 from embckpt.save.staging import StagingArena
@@ -345,6 +345,8 @@ class Saver:
             selected = self._stage_state(snapshot, decided)
             if self._hooks is not None:
                 self.writer.staging = self.slabs
+                full = decision.kind is Kind.FULL
+                encoder = device_encoder(self.codec, full, self.arena.model_device)
                 with clock.time("snapshot"):
                     snapshot.session = open_window(
                         self.state.tracker,
@@ -352,7 +354,7 @@ class Saver:
                         self.slabs,
                         self._hooks,
                         self.ctx.config.max_file_rows,
-                        None,
+                        encoder,
                     )
                 return snapshot
             self.writer.staging = self.arena

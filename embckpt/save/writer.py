@@ -261,17 +261,14 @@ class RowFileWriter:
         records in ``edits.reference`` what its rows reconstruct as."""
         capture = edits.capture is not None
         cols = unit.unit.shard.num_cols
-        if unit.fused is not None:  # quantized on the device: the codec's CPU path's bytes
-            encoded = codec.encode_fused(unit.fused, True)
-            return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]
         if not codec.additive:
-            encoded = codec.encode(unit.weights)
+            encoded = _whole(codec, unit)
             return [_Part(codec, encoded, restored=_decoded(codec, encoded, cols, capture))]
         shard = unit.unit.shard
         key, rows = shard.key, unit.local_rows
         if decision.kind is Kind.FULL:
             base = codec.whole if isinstance(codec, DeltaCodec) else self.base_codec
-            encoded = base.encode(unit.weights)
+            encoded = _whole(base, unit)
             self.reference.set_base(key, (shard.num_rows, cols), rows, base, encoded)
             return [_Part(base, encoded, restored=_decoded(base, encoded, cols, capture))]
         one_shot = decision.one_shot
@@ -402,6 +399,14 @@ class RowFileWriter:
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+
+
+def _whole(codec: Codec, unit: StagedUnit) -> EncodedRows:
+    """Whole rows encoded: from the fused rows the device quantized (the bytes the codec's
+    CPU path writes, ``codecs/device_encode.py``), else from the staged fp32 rows."""
+    if unit.fused is not None:
+        return codec.encode_fused(unit.fused, True)
+    return codec.encode(unit.weights)
 
 
 def _decoded(codec: Codec, encoded: EncodedRows, cols: int, wanted: bool) -> torch.Tensor | None:
