@@ -16,8 +16,9 @@ import pytest
 from embckpt.errors import MissingExtraError, import_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-# Left to the user's environment: their CPU and CUDA builds differ (README.md, Install).
-USER_PROVIDED = {"torch", "torchrec", "fbgemm_gpu"}
+# Left to the user's environment: their CPU and CUDA builds differ (README.md, Install);
+# triton comes with torch's CUDA builds (codecs/device_encode.py runs without it).
+USER_PROVIDED = {"torch", "torchrec", "fbgemm_gpu", "triton"}
 
 
 def _canonical(name: str) -> str:

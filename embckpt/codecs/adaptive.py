@@ -43,7 +43,7 @@ import torch
 from embckpt.codecs.base import register
 from embckpt.codecs.common import DEFAULT_ENTROPY
 from embckpt.codecs.packing import packed_width
-from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, use_kernels
+from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, row_extremes, use_kernels
 from embckpt.errors import ConfigError
 
 #: (n_bins, ratio) per bit width when not given.
@@ -123,7 +123,7 @@ class AdaptiveCodec(AsymmetricCodec):
         return lo_t, hi_t, half, torch.from_numpy(fused) if half else None
 
     def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xmin, xmax = x.amin(dim=1), x.amax(dim=1)
+        xmin, xmax = row_extremes(x)
         steps = self._steps()
         if steps < 2 or x.shape[0] == 0 or not bool(torch.isfinite(xmin).all()):
             # Under two steps the walk never meets a local optimum but the full range; NaN

@@ -10,10 +10,10 @@ first call, and numba caches the machine code on disk (``cache=True``); they rel
 (``nogil``: the writer encodes in threads), and divide by zero as IEEE says (numpy's error
 model), as torch does. Quantization and decoding reproduce the torch path
 of uniform.py bit for bit (same float32 operations in the same order, no fused multiply-add);
-the range search runs the same greedy walk as adaptive.py, its sums of squares in another order
-(reassociated, so the compiler vectorises them: their order is the compiler's), and the same
-ranges as the row-by-row kernel it replaced (tests/test_codecs.py checks both).
-CUDA tensors never come here: they take the torch path.
+the range search runs the same greedy walk as adaptive.py, each row's sums of squares strictly
+left to right over its columns (vectorised across a tile of rows instead), the canonical order
+that the GPU encoder (device_kernels.py) reproduces; tests/test_search_order.py checks it
+against a plain numpy walk. CUDA tensors never come here: they take device_encode.py or torch.
 
 fp16 rounding is done on the float32 bit pattern (round to nearest even, as ``Tensor.half()``):
 numba has no fp16 arithmetic on the CPU.
@@ -29,12 +29,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 #: Rows per tile of the range search: each step of the walk runs over a tile of rows at a
-#: time, so the rows' independent chains (fp16 rounding, divisions, choices) vectorise across
-#: rows; 64 rows of 64 floats (16 KB) stay in L1 until they are quantized.
+#: time, so the rows' independent chains (fp16 rounding, divisions, sums, choices) vectorise
+#: across rows; 64 rows of 64 floats (16 KB), and their transpose, stay in L1.
 _TILE = 64
-#: Floating-point freedoms of the sums of squares only (reassociation lets them vectorise);
-#: everything that decides a quantized value stays strict IEEE.
-_SUMS = {"reassoc", "nsz", "nnan"}
 _F32 = np.float32
 _U32 = np.uint32
 
@@ -130,41 +127,48 @@ def _first_zero(x: np.ndarray, r: int) -> np.float32:
     return x[r, j]
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
-def _sumsq(x: np.ndarray, r: int, inv: np.float32, off: np.float32, top: np.float32) -> np.float32:
-    """Sum over row ``r`` of (t - clamp(rint(t), 0, top))**2 with t = x * inv - off."""
+@njit(nogil=True, cache=True, error_model="numpy")
+def _tile_sumsq(
+    xt: np.ndarray, inv: np.ndarray, off: np.ndarray, top: np.float32, out: np.ndarray
+) -> None:
+    """Per row ``i`` of a transposed tile ``xt`` [cols, _TILE], the sum over its columns of
+    (t - clamp(rint(t), 0, top))**2 with t = xt[j, i] * inv[i] - off[i], into ``out[i]``: each
+    sum strictly left to right (the canonical order), vectorised across the rows."""
     zero = _F32(0)
-    acc = zero
-    for j in range(x.shape[1]):
-        t = x[r, j] * inv - off
-        d = t - min(max(np.rint(t), zero), top)
-        acc += d * d
-    return acc
+    for i in range(_TILE):
+        out[i] = zero
+    for j in range(xt.shape[0]):
+        for i in range(_TILE):
+            t = xt[j, i] * inv[i] - off[i]
+            d = t - min(max(np.rint(t), zero), top)
+            out[i] += d * d
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
-def _sumsq2(
-    x: np.ndarray,
-    r: int,
-    inv1: np.float32,
-    off1: np.float32,
-    inv2: np.float32,
-    off2: np.float32,
+@njit(nogil=True, cache=True, error_model="numpy")
+def _tile_sumsq2(
+    xt: np.ndarray,
+    inv1: np.ndarray,
+    off1: np.ndarray,
+    inv2: np.ndarray,
+    off2: np.ndarray,
     top: np.float32,
-) -> tuple[np.float32, np.float32]:
-    """:func:`_sumsq` for two ranges in one pass over the row."""
+    out1: np.ndarray,
+    out2: np.ndarray,
+) -> None:
+    """:func:`_tile_sumsq` for two ranges per row in one pass over the tile."""
     zero = _F32(0)
-    acc1 = zero
-    acc2 = zero
-    for j in range(x.shape[1]):
-        v = x[r, j]
-        t = v * inv1 - off1
-        d = t - min(max(np.rint(t), zero), top)
-        acc1 += d * d
-        t = v * inv2 - off2
-        d = t - min(max(np.rint(t), zero), top)
-        acc2 += d * d
-    return acc1, acc2
+    for i in range(_TILE):
+        out1[i] = zero
+        out2[i] = zero
+    for j in range(xt.shape[0]):
+        for i in range(_TILE):
+            v = xt[j, i]
+            t = v * inv1[i] - off1[i]
+            d = t - min(max(np.rint(t), zero), top)
+            out1[i] += d * d
+            t = v * inv2[i] - off2[i]
+            d = t - min(max(np.rint(t), zero), top)
+            out2[i] += d * d
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -184,7 +188,7 @@ def _scoring(
     return inv, lo * inv, scale * scale
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath=_SUMS)
+@njit(nogil=True, cache=True, error_model="numpy")
 def _finite(keys: np.ndarray, r: int) -> bool:
     """Whether row ``r`` of float32 bit patterns (as int32) holds no NaN and no infinity (an
     all-ones exponent): integer work, so the vectorised max holds whatever the values are."""
@@ -222,9 +226,10 @@ def search_rows(
 
     The walk runs over a tile of rows at a time, in lockstep: each step computes every row's
     two candidate ranges (fp16 rounding, divisions) in one loop, then their sums of squares
-    row by row (vectorised over the columns), then every row's choice in one branch-free loop,
-    so the per-step scalars vectorise across rows and no choice is a branch to mispredict.
-    Same operations on the same values as the row-by-row walk: the same ranges.
+    over the tile's transpose (each row's sum left to right, vectorised across the rows), then
+    every row's choice in one branch-free loop, so the per-step scalars vectorise across rows
+    and no choice is a branch to mispredict. Same operations on the same values as a
+    row-by-row walk summing left to right: the same ranges.
 
     Returns False, at once, on reaching a row that holds NaN or an infinity (``lo``, ``hi``
     and ``out`` are then incomplete).
@@ -232,7 +237,9 @@ def search_rows(
     n, cols = x.shape
     top = _F32((1 << bits) - 1)
     bins = _F32(n_bins)
-    work = np.empty((_SCRATCH, _TILE), _F32)
+    # Zeroed: rows past a short last tile are summed too (harmless finite values).
+    work = np.zeros((_SCRATCH, _TILE), _F32)
+    xt = np.zeros((cols, _TILE), _F32)
     cur_lo, cur_hi, step, loss, best = (
         work[_CUR_LO],
         work[_CUR_HI],
@@ -267,19 +274,20 @@ def search_rows(
             xmax[r] = cur_hi[i]
             step[i] = (cur_hi[i] - cur_lo[i]) / bins
             best[i] = np.inf
+            for j in range(cols):
+                xt[j, i] = x[r, j]
         for i in range(m):
             inv1[i], off1[i], sq1[i] = _scoring(cur_lo[i], cur_hi[i], top, half)
+        _tile_sumsq(xt, inv1, off1, top, loss)
         for i in range(m):
-            loss[i] = _sumsq(x, start + i, inv1[i], off1[i], top) * sq1[i]
-        for i in range(m):
+            loss[i] *= sq1[i]
             lo[start + i] = cur_lo[i]
             hi[start + i] = cur_hi[i]
         for _ in range(steps):
             for i in range(m):
                 inv1[i], off1[i], sq1[i] = _scoring(cur_lo[i] + step[i], cur_hi[i], top, half)
                 inv2[i], off2[i], sq2[i] = _scoring(cur_lo[i], cur_hi[i] - step[i], top, half)
-            for i in range(m):
-                ups[i], downs[i] = _sumsq2(x, start + i, inv1[i], off1[i], inv2[i], off2[i], top)
+            _tile_sumsq2(xt, inv1, off1, inv2, off2, top, ups, downs)
             for i in range(m):
                 r = start + i
                 up = ups[i] * sq1[i]

@@ -23,6 +23,8 @@ of fp32 rows, where FBGEMM's row-wise op managed 2 GB/s (2 and 4 bits only) and 
 FBGEMM's bytes exactly, as the kernels reproduce the torch path's (tested), so all write one
 format. FBGEMM's op is kept for CPU rows when the kernels are switched off (``COMPILED``),
 where it quantizes over the ranges it is given (checked once: fbgemm-gpu-cpu 1.9.0's does not).
+Rows on a GPU can be fused there instead (device_encode.py), to the same bytes, and encoded
+from those (``encode_fused``).
 """
 
 from __future__ import annotations
@@ -117,6 +119,24 @@ def half_params_fit(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> bool:
     allowed = torch.where(constant, lo.abs() * _FP16_REL, 0.5 * scale)
     ok &= (lo - lo16).abs() <= allowed
     return bool(ok.all())
+
+
+def row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's min and max; one that is zero is the row's first zero (0.0 or -0.0).
+
+    ``amin`` and ``amax`` return either zero of a row holding both, depending on how the
+    reduction is vectorised, and the sign reaches the stored bias; the first zero in column
+    order is what kernels.py's search and the GPU encoder (device_kernels.py) reproduce.
+    """
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    zero = (lo == 0) | (hi == 0)
+    if bool(zero.any()):
+        rows = zero.nonzero()[:, 0]
+        part = x[rows]
+        first = part.gather(1, (part == 0).to(torch.uint8).argmax(dim=1, keepdim=True))[:, 0]
+        lo[rows] = torch.where(lo[rows] == 0, first, lo[rows])
+        hi[rows] = torch.where(hi[rows] == 0, first, hi[rows])
+    return lo, hi
 
 
 def quantize_affine(
@@ -301,7 +321,13 @@ class UniformCodec(StagedCodec):
             require_finite(x, self.codec_id)
         if fused is None:
             fused = self._fuse(x, lo, hi, half)
-        width = packed_width(x.shape[1], self.bits)
+        return self.encode_fused(fused, half)
+
+    def encode_fused(self, fused: torch.Tensor, half: bool) -> EncodedRows:
+        """The encoded batch of rows already fused [n, w + p] (codes, then parameters, fp16
+        with ``half``), on any device: what :meth:`encode` returns once it has fused them,
+        so rows fused elsewhere (device_encode.py, on their GPU) encode to the same bytes."""
+        width = fused.shape[1] - self._param_bytes(half)
         tables = param_tables(width, fused.shape[1] - width)
         column, meta, hint = self._payload_column(fused.cpu().numpy(), tables)
         meta["param_dtype"] = "float16" if half else "float32"
@@ -360,7 +386,7 @@ class AsymmetricCodec(UniformCodec):
     codec_id = "asymmetric"
 
     def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.amin(dim=1), x.amax(dim=1)
+        return row_extremes(x)
 
 
 @register
