@@ -1,5 +1,6 @@
 """embckpt on a GPU: exactness on every kernel location (``benchmarks/locations.py``), written to
-``benchmarks/results/gpu.json``.
+``benchmarks/results/gpu.json``; with ``--stall``, ``benchmarks/stall.py``'s figures of the
+same run (save() blocking, step overhead, memory, encode rate, tracking, DCP) join its summary.
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/gpu.py            # the GPU machine
     python benchmarks/gpu.py --device cpu --optimizers sgd      # the scenario on CPU (dry run)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import sys
 import tempfile
 import time
@@ -120,6 +122,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--no-without-fix", action="store_true")
     parser.add_argument("--out", default="gpu", help="result name under benchmarks/results")
+    parser.add_argument(
+        "--stall",
+        type=Path,
+        help="benchmarks/stall.py's result of this run: its summary joins this one's",
+    )
     args = parser.parse_args()
     selected = cases(args.device, tuple(args.optimizers) if args.optimizers else None)
     started = time.perf_counter()
@@ -128,6 +135,10 @@ def main() -> None:
     print_table(results)
     result = summarise(results, args.device)
     result["seconds"] = round(time.perf_counter() - started, 1)
+    if args.stall is not None:
+        stall = json.loads(args.stall.read_text())
+        result["summary"].update(stall["summary"])
+        result["snapshot"] = {k: stall[k] for k in ("model", "figures", "machine") if k in stall}
     path = write_result(args.out, result)
     print(
         f"{len(result['cases'])} cases run, {len(result['not_run'])} not run, "

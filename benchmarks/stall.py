@@ -29,6 +29,7 @@ measured in this run, ours and DCP's interleaved on the same model:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -173,11 +174,10 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, record: Any) -> dict[str, Any]:
+    """Runs the phases, most important first; each one's figures (or its error) go to ``out``
+    and ``record(out)`` at once, so a run cut short keeps what it measured."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from embckpt import CheckpointConfig, Checkpointer
 
     device = torch.device(args.device)
     if not dist.is_initialized():
@@ -187,74 +187,149 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model, opt = build(args, device)
     train = Trainer(model, opt, batches(args, device), device)
     root = Path(tempfile.mkdtemp(dir=args.dir))
-    out: dict[str, Any] = {}
-    table_bytes = args.tables * args.rows * args.dim * 4
-    out["table_bytes"] = table_bytes
+    out: dict[str, Any] = {"table_bytes": args.tables * args.rows * args.dim * 4, "errors": {}}
     train.mean_step(20)  # warm up
+    phases = [
+        ("blocking", lambda: save_blocking(train, root, device)),
+        ("exact", lambda: exactness(train, root)),
+        ("tracking", lambda: tracking(train, root, args)),
+        ("encode", lambda: {"encode_gbps": encode_gbps(model) if device.type == "cuda" else None}),
+        ("overhead", lambda: overhead(train, root)),
+        ("dcp", lambda: against_dcp(train, root, args)),
+    ]
+    for name, phase in phases:
+        if args.phases and name not in args.phases:
+            continue
+        started = time.perf_counter()
+        try:
+            out.update(phase())
+        except Exception as exc:
+            out["errors"][name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        out[f"phase_s_{name}"] = round(time.perf_counter() - started, 1)
+        record(out)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
-    # Tracking: steps with a Checkpointer attached against without, interleaved.
-    plain, tracked = [], []
-    for _ in range(args.rounds):
-        plain.append(train.mean_step(args.steps))
-        with Checkpointer(model, str(root / "t"), optimizer=opt):
-            tracked.append(train.mean_step(args.steps))
-    out["step_s"] = statistics.median(plain)
-    out["tracked_step_s"] = statistics.median(tracked)
-    out["tracking_pct"] = 100 * (out["tracked_step_s"] / out["step_s"] - 1)
-    out["d2h_floor_s"] = d2h_floor(model)
 
-    # save() blocking with the default config (full, then a one-shot diff), training on.
+def save_blocking(train: Trainer, root: Path, device: torch.device) -> dict[str, Any]:
+    """save() with the default config (a full, then a one-shot diff), training on while the
+    rows are copied; the device memory beyond the same steps' own, the host staging peak."""
+    from embckpt import Checkpointer
+
+    out: dict[str, Any] = {"d2h_floor_s": d2h_floor(train.model)}
     reset_peak(device)
     for _ in range(20):
         train.step()
     train.sync()
     plain_peak = peak_device(device)
     reset_peak(device)
-    with Checkpointer(model, str(root / "default"), optimizer=opt) as ckpt:
-        blocks = {}
+    with Checkpointer(train.model, str(root / "default"), optimizer=train.opt) as ckpt:
+        staging = getattr(ckpt._saver, "slabs", None) or ckpt._saver.arena  # older releases
+        host_peaks = []
         for kind, step in (("full", 20), ("diff", 40)):
             for _ in range(20):
                 train.step()
             train.sync()
             handle = ckpt.save(step)
-            blocks[kind] = handle.blocked_s
+            out[f"save_block_s_{kind}"] = handle.blocked_s
+            steps = 0
             while not handle.done():
                 train.step()
+                steps += 1
             manifest = handle.wait()
+            host_peaks.append(staging.peak_bytes)  # reset by each save
             out[f"save_{kind}_kind"] = manifest.kind
             out[f"save_{kind}_persist_s"] = manifest.stats.get("persist_seconds")
+            out[f"save_{kind}_steps_meanwhile"] = steps
         train.sync()
-        out["host_bytes_peak"] = ckpt._saver.slabs.peak_bytes
-        out["host_overflows"] = ckpt._saver.slabs.overflows
-    out["save_block_s_full"] = blocks["full"]
-    out["save_block_s_diff"] = blocks["diff"]
+        out["host_bytes_peak"] = max(host_peaks)
+        out["host_overflows"] = getattr(staging, "overflows", None)
     out["extra_hbm_bytes"] = max(peak_device(device) - plain_peak, 0)
     shutil.rmtree(root / "default", ignore_errors=True)
+    return out
 
-    # Step overhead with a full checkpoint every 100 steps.
-    for name, options in (("", {}), ("_adaptive4", {"codec": "adaptive", "bits": 4})):
+
+def exactness(train: Trainer, root: Path) -> dict[str, Any]:
+    """A full and a diff saved while training goes on restore to the state at their steps,
+    bit for bit (the copy-on-write window on this device)."""
+    from embckpt import Checkpointer
+    from embckpt.sharding import discover
+
+    def state() -> list[torch.Tensor]:
+        train.sync()
+        shards = discover(train.model).shards
+        return [t.detach().cpu() for s in shards for t in (s.weight, *s.row_states.values())]
+
+    found = {}
+    with Checkpointer(train.model, str(root / "exact"), optimizer=train.opt) as ckpt:
+        expected = {}
+        for step in (10, 20):
+            for _ in range(10):
+                train.step()
+            expected[step] = state()
+            handle = ckpt.save(step)
+            for _ in range(10):  # the window: these steps update rows being copied
+                train.step()
+            handle.wait()
+        for step in (20, 10):
+            ckpt.restore(step, discard_newer=step == 10)
+            found[step] = all(
+                torch.equal(a, b) for a, b in zip(expected[step], state(), strict=True)
+            )
+    shutil.rmtree(root / "exact", ignore_errors=True)
+    return {"exact_full_step_10": found[10], "exact_diff_step_20": found[20]}
+
+
+def tracking(train: Trainer, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Steps with a Checkpointer attached (no save) against without one, interleaved."""
+    from embckpt import Checkpointer
+
+    plain, tracked = [], []
+    for _ in range(args.rounds):
+        plain.append(train.mean_step(args.steps))
+        with Checkpointer(train.model, str(root / "t"), optimizer=train.opt):
+            tracked.append(train.mean_step(args.steps))
+    step, with_hooks = statistics.median(plain), statistics.median(tracked)
+    return {
+        "step_s": step,
+        "tracked_step_s": with_hooks,
+        "tracking_pct": 100 * (with_hooks / step - 1),
+    }
+
+
+def overhead(train: Trainer, root: Path) -> dict[str, Any]:
+    """Mean step time with a full checkpoint after steps 100, 200 and 300 against without."""
+    from embckpt import CheckpointConfig, Checkpointer
+
+    out: dict[str, Any] = {}
+    for name, options in (("_adaptive4", {"codec": "adaptive", "bits": 4}), ("", {})):
         base = train.mean_step(300)
         folder = root / f"every100{name}"
         config = CheckpointConfig(policy="full", keep_last=1, **options)
-        with Checkpointer(model, str(folder), optimizer=opt, config=config) as ckpt:
+        with Checkpointer(train.model, str(folder), optimizer=train.opt, config=config) as ckpt:
             handles: list[Any] = []
             mean = train.mean_step(300, 100, lambda n, h=handles, c=ckpt: h.append(c.save(n)))
-            blocked = [h.blocked_s for h in handles]
             handles[-1].wait()
         out[f"step_overhead_pct_1_per_100{name}"] = 100 * (mean / base - 1)
-        out[f"save_block_s_1_per_100{name}"] = blocked
+        out[f"save_block_s_1_per_100{name}"] = [h.blocked_s for h in handles]
         shutil.rmtree(folder, ignore_errors=True)
+    return out
 
-    out["encode_gbps"] = encode_gbps(model) if device.type == "cuda" else None
 
-    # Ours against DCP, interleaved on the same model.
+def against_dcp(train: Trainer, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Our full lossless save (waited) and restore against dcp.save / dcp.load, interleaved."""
+    import torch.distributed.checkpoint as dcp
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    out: dict[str, Any] = {}
     ours_save, ours_restore, dcp_save, dcp_load, dcp_async = [], [], [], [], []
     config = CheckpointConfig(policy="full", pipeline="off")
     for r in range(args.rounds):
         folder = root / f"ours{r}"
         train.step()
         train.sync()
-        with Checkpointer(model, str(folder), optimizer=opt, config=config) as ckpt:
+        with Checkpointer(train.model, str(folder), optimizer=train.opt, config=config) as ckpt:
             started = time.perf_counter()
             ckpt.save(1).wait()
             ours_save.append(time.perf_counter() - started)
@@ -263,7 +338,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             train.sync()
             ours_restore.append(time.perf_counter() - started)
         shutil.rmtree(folder, ignore_errors=True)
-        state = {"model": model.state_dict()}
+        state = {"model": train.model.state_dict()}
         folder = root / f"dcp{r}"
         started = time.perf_counter()
         dcp.save(state, checkpoint_id=str(folder))
@@ -290,7 +365,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         save_vs_dcp=min(ours_save) / min(dcp_save),
         restore_vs_dcp=min(ours_restore) / min(dcp_load),
     )
-    shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -332,25 +406,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, default=8)
     p.add_argument("--steps", type=int, default=100, help="steps per tracking round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--phases", nargs="*", help="run only these (default: all)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="result name under benchmarks/results")
+    p.add_argument("--copy-to", default=None, help="also write the result here, phase by phase")
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
     started = time.perf_counter()
-    figures = measure(args)
-    result = {
-        "summary": {k: figures.get(k) for k in SUMMARY},
-        "model": {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids")},
-        "figures": figures,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    for key, value in result["summary"].items():
-        print(f"{key:<32} {value}")
-    if args.out:
-        print(write_result(args.out, result))
+    model = {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "device")}
+
+    def record(figures: dict[str, Any]) -> None:
+        result = {
+            "summary": {k: figures.get(k) for k in SUMMARY},
+            "model": model,
+            "figures": figures,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        if args.out:
+            path = write_result(args.out, result)
+            if args.copy_to:
+                shutil.copy(path, args.copy_to)
+        print(json.dumps({k: figures.get(k) for k in figures if k != "errors"}), flush=True)
+
+    figures = measure(args, record)
+    for key in SUMMARY:
+        print(f"{key:<32} {figures.get(key)}")
+    for name, error in figures["errors"].items():
+        print(f"{name} failed: {error}")
 
 
 if __name__ == "__main__":

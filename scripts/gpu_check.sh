@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one go: where a bundle in .gpu/ brings fbgemm-gpu and torchrec
 # (install.sh into /tmp/site), install it; then, most important first,
-#   1. benchmarks/gpu.py: every optimizer x location x codec (benchmarks/results/gpu.json);
+#   0. benchmarks/stall.py: what a checkpoint costs the training loop, DCP beside it;
+#   1. benchmarks/gpu.py: every optimizer x location x codec (benchmarks/results/gpu.json,
+#      with stall.py's summary);
 #   2. the GPU tests (pytest -m gpu) of the files that have them;
 #   3. with CUDA hidden, CPU tests under this release set (torch 2.11, fbgemm-gpu 1.6,
 #      torchrec 1.6.1), as a second set beside CI's pins.
@@ -17,14 +19,23 @@ if [ -f .gpu/install.sh ]; then  # else fbgemm-gpu and torchrec are installed al
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+PYTHONWARNINGS=ignore timeout "${STALL_S:-360}" python3 benchmarks/stall.py --rounds "${ROUNDS:-2}" \
+  --out gpu_stall >"$OUT/stall.log" 2>&1
+echo "stall.py exit $?"
+grep -E "^[a-z_0-9]+ +" "$OUT/stall.log" | tail -14
+cp benchmarks/results/gpu_stall.json "$OUT/" 2>/dev/null
+STALL_ARG=()
+[ -f benchmarks/results/gpu_stall.json ] && STALL_ARG=(--stall benchmarks/results/gpu_stall.json)
+
 PYTHONWARNINGS=ignore timeout "${GPU_BENCH_S:-300}" python3 benchmarks/gpu.py --workers "${WORKERS:-6}" \
-  >"$OUT/gpu_bench.log" 2>&1
+  "${STALL_ARG[@]}" >"$OUT/gpu_bench.log" 2>&1
 echo "gpu.py exit $?"
 grep -E "^[a-z_]+/|cases run|    " "$OUT/gpu_bench.log" | cut -c1-220 | tail -80
 cp benchmarks/results/gpu.json "$OUT/" 2>/dev/null
 
 timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
   tests/test_kernel_locations.py tests/test_fused_counters.py tests/test_state_codec.py \
+  tests/test_cow_snapshot.py tests/test_device_encode.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"
 tail -15 "$OUT/gpu_tests.log"
