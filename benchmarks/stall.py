@@ -183,7 +183,9 @@ def measure(args: argparse.Namespace, record: Any) -> dict[str, Any]:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        # A CPU backend beside NCCL: dcp.async_save stages through it.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
     model, opt = build(args, device)
     train = Trainer(model, opt, batches(args, device), device)
     root = Path(tempfile.mkdtemp(dir=args.dir))

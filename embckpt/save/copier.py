@@ -24,16 +24,20 @@ def run_copier(
     write: Callable[[list[StagedUnit]], None],
     pack_below: int,
     pack_bytes: int,
+    threads: int,
 ) -> None:
     """The copier's loop (persist thread): chunks copied two in flight, units handed to
-    ``write`` on a writer thread as they are ready; then the window closes and the last
-    protected rows are written. Units under ``pack_below`` bytes (small blocks, rows steps
-    protected) are copied out of their slabs and handed over together, up to ``pack_bytes``,
-    so that the writer packs them into shared files as it does a piece's small blocks.
-    Raises the first error once every started write ended, with every slab given back."""
+    ``write`` on writer threads (``threads`` hand-overs at once) as they are ready; then the
+    window closes and the last protected rows are written. Units under ``pack_below`` bytes
+    (small blocks, rows steps protected) are copied out of their slabs and handed over
+    together, up to ``pack_bytes``, so that the writer packs them into shared files as it does
+    a piece's small blocks. Raises the first error once every started write ended, with every
+    slab given back."""
     pool = session.pool
     writes: list[concurrent.futures.Future[None]] = []
-    executor = concurrent.futures.ThreadPoolExecutor(1, "embckpt-cow-write")
+    # ``threads`` hand-overs at once: each is one write() of the writer, which encodes and
+    # writes its units on the writer's own threads (one unit each, mostly).
+    executor = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-cow-write")
     pending = collections.deque(session.early)
     session.early = []
     small: list[StagedUnit] = []

@@ -64,7 +64,8 @@ class _Module:
     claimed: torch.Tensor  # bool, one per bit of the tracked module
     blocks: list[CowBlock]
     cuts: torch.Tensor  # first bits of the blocks after the first (to split claimed bits)
-    live: bool  # some block's rows may still be claimed by a step
+    live: bool  # some row may still be claimed by a step (else protect() costs nothing)
+    unclaimed_chunks: int = 0  # chunks the copier has yet to claim
     inflight: list[Any] = field(default_factory=list)  # fences of chunks being copied
 
 
@@ -166,8 +167,11 @@ class CowSession:
                     span[block.rows] = False
             ordered = sorted(blocks, key=lambda b: b.first)
             cuts = torch.tensor([b.first for b in ordered[1:]], dtype=torch.long, device=device)
-            live = any(b.shard.key not in eager for b in ordered)
-            self.modules.append(_Module(claimed, ordered, cuts, live))
+            module = _Module(claimed, ordered, cuts, live=False)
+            self.modules.append(module)
+            chunks = sum(1 for b in ordered if b.shard.key not in eager for _ in self._spans(b))
+            module.unclaimed_chunks = chunks
+            module.live = chunks > 0
 
     # -- the training side: copy-on-write ----------------------------------------------------
     @torch.no_grad()
@@ -177,12 +181,14 @@ class CowSession:
         the chunks claimed before it."""
         with self._lock:
             mod = self.modules[module]
-            if not self._open or not mod.live:
+            if not self._open:  # closed once every copy ended
                 return
             stream: Any = torch.cuda.current_stream(positions.device) if self.cuda else None
             mod.inflight = [f for f in mod.inflight if not f.done()]
             for fence in mod.inflight:
                 fence.wait_on(stream)
+            if not mod.live:  # the copier claimed every row: nothing is left to copy first
+                return
             if self.cuda and stream != self.train:
                 stream.wait_stream(self.train)  # claims are ordered on the training stream
             fresh = positions[~mod.claimed[positions]]
@@ -328,6 +334,10 @@ class CowSession:
             if claimed is not None:
                 claimed.record(self.train)
             mod.inflight.append(fence)  # steps wait for it before their next update
+            if not eager:
+                mod.unclaimed_chunks -= 1
+                # Every row claimed: the module's steps need not look (nor synchronise) again.
+                mod.live = mod.unclaimed_chunks > 0
         # The copy, outside the lock: a step meeting the fence first waits until it is set.
         span_or_none = span if rows is None else None
         if not self.cuda:

@@ -160,7 +160,13 @@ class Persister:
         try:
             failpoints.hit("save.stage")
             with snapshot.clock.time("snapshot"):
-                run_copier(session, write, self.writer.pack_below_bytes, PACKED_FILE_BYTES)
+                run_copier(
+                    session,
+                    write,
+                    self.writer.pack_below_bytes,
+                    PACKED_FILE_BYTES,
+                    self.ctx.config.io_threads,
+                )
         except Exception as exc:
             return exc
         return None
