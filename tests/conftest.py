@@ -7,8 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("LOCAL_WORLD_SIZE", "2")
+# Without a GPU, Triton's kernels (codecs/device_kernels.py, tested in test_device_encode.py)
+# run in its interpreter. It must be on before anything imports triton (torchrec and FBGEMM
+# do): Triton's own library functions are built when it is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _save_small_run(rank: int, world_size: int, root: str) -> None:

@@ -1,27 +1,21 @@
 """The GPU encoder (codecs/device_encode.py) writes exactly the bytes of the CPU path.
 
-Without a CUDA device, Triton's interpreter runs the kernels on CPU tensors: this module turns
-it on (``TRITON_INTERPRET=1``) before they are first built, unless the environment already
+Without a CUDA device, Triton's interpreter runs the kernels on CPU tensors: conftest.py turns
+it on (``TRITON_INTERPRET=1``) before anything imports triton, unless the environment already
 says; with CUDA, the ``gpu`` test runs the compiled kernels instead. Every test needs Triton,
 which the project does not require, and skips without it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # conftest.py turned it on already, before triton loaded
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Kernels another test built first (importing every module) are compiled ones, which the
-    # interpreter cannot call: build them again now that it is on.
-    if "embckpt.codecs.device_kernels" in sys.modules:
-        importlib.reload(sys.modules["embckpt.codecs.device_kernels"])
 
 from codec_rows import embedding_rows  # noqa: E402
 from golden.generate import sample_rows  # noqa: E402
