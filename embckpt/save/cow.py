@@ -77,7 +77,6 @@ class Segment:
     local_rows: torch.Tensor  # CPU int64
     tensors: dict[str, torch.Tensor]  # "weight" or "fused", "row:<name>", "elem:<name>"
     fence: Any
-    half: bool = True
 
 
 class _Fence:
@@ -143,7 +142,6 @@ class CowSession:
         self._lock = threading.RLock()
         self._open = True
         self._parts: dict[str, int] = {}
-        self._protected: list[Segment] = []  # copied by steps, not yet sealed
         self._slab: torch.Tensor | None = None  # the slab steps copy into
         self._slab_used = 0
         self._slab_segments: list[Segment] = []
