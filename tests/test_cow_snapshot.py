@@ -122,10 +122,41 @@ def _failure_scenario(rank: int, world_size: int, root: str) -> dict:
     }
 
 
+def _step_copy_fails(rank: int, world_size: int, root: str) -> dict:
+    """Rank 0's steps fail to copy the rows they protect: training goes on, the save fails."""
+    from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.save import cow
+
+    config = CheckpointConfig(policy="full", **UNPACKED)
+    model, opt = tm.build(world_size, seed=0)
+    ckpt = Checkpointer(model, root, optimizer=opt, config=config)
+    _train(model, opt, 1, rank, "cpu")
+    ckpt.save(1).wait()
+    _slow_writes(ckpt, 0.05)
+    real = cow.CowSession._protect_rows
+
+    def broken(*_args, **_kwargs) -> None:
+        raise RuntimeError("injected: a step could not copy its rows")
+
+    if rank == 0:
+        cow.CowSession._protect_rows = broken  # type: ignore[method-assign]
+    handle = ckpt.save(2)
+    trained = 0
+    for step in range(2, 8):
+        _train(model, opt, step, rank, "cpu", hot=120)  # must not raise
+        trained += 1
+    error = tm.raised(handle.wait)
+    cow.CowSession._protect_rows = real  # type: ignore[method-assign]
+    next_kind = ckpt.save(8).wait().kind
+    ckpt.close()
+    return {"trained": trained, "error": error, "next_kind": next_kind}
+
+
 def _both(rank: int, world_size: int, root: str) -> dict:
     return {
         "window": _window_scenario(rank, world_size, f"{root}/w"),
         "failure": _failure_scenario(rank, world_size, f"{root}/f"),
+        "step_copy": _step_copy_fails(rank, world_size, f"{root}/s"),
     }
 
 
@@ -169,3 +200,13 @@ def test_a_failure_in_the_window_gives_every_slab_back_and_keeps_the_previous_ch
         assert got["next_kind"] == "full"
         assert got["restored"] == (1, 6)
         assert got["one"] == [] and got["six"] == [], (rank, got)
+
+
+def test_a_step_that_cannot_copy_its_rows_trains_on_and_the_save_fails_everywhere(results) -> None:
+    for rank, result in enumerate(results):
+        got = result["step_copy"]
+        assert got["trained"] == 6, (rank, got)
+        assert got["error"] is not None and "step 2" in got["error"], (rank, got)
+        assert "injected: a step could not copy its rows" in got["error"], (rank, got)
+        assert got["error"].startswith("SaveError" if rank == 0 else "SaveRankError"), got
+        assert got["next_kind"] == "full", (rank, got)

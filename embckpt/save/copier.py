@@ -113,9 +113,13 @@ def run_copier(
             pending.append(session.copy_chunk(module, block, span))
             protected()
             _raise_failed(writes)
+            if session.error is not None:
+                raise session.error
         while pending:
             settle(pending.popleft())
         session.close_window()
+        if session.error is not None:
+            raise session.error
         protected()
         flush()
     finally:

@@ -141,6 +141,7 @@ class CowSession:
         self.side: Any = torch.cuda.Stream(device) if self.cuda else None
         self._lock = threading.RLock()
         self._open = True
+        self.error: Exception | None = None  # a step's copy failed: the save fails
         self._parts: dict[str, int] = {}
         self._slab: torch.Tensor | None = None  # the slab steps copy into
         self._slab_used = 0
@@ -176,7 +177,16 @@ class CowSession:
     def protect(self, module: int, positions: torch.Tensor) -> None:
         """Copies the rows at ``positions`` (bits of ``module``, repeats allowed) that nobody
         claimed yet, before the caller's update; the caller's stream (CUDA) first waits for
-        the chunks claimed before it."""
+        the chunks claimed before it. Never raises into the training step: a failure ends the
+        window and fails the save (``error``, raised by the copier on every rank's persist)."""
+        try:
+            self._protect(module, positions)
+        except Exception as exc:
+            with self._lock:
+                self.error = self.error or exc
+                self._open = False
+
+    def _protect(self, module: int, positions: torch.Tensor) -> None:
         with self._lock:
             mod = self.modules[module]
             if not self._open:  # closed once every copy ended
