@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from embckpt.codecs import Codec, DeltaCodec
+from embckpt.codecs.uniform import UniformCodec
 from embckpt.save.cow import CowBlock, CowSession, Encoder
 from embckpt.save.slabs import SlabPool
 from embckpt.sharding import ShardedModel, TableShard
@@ -96,9 +97,11 @@ def device_encoder(codec: Codec, full: bool, device: torch.device) -> Encoder | 
     whole: Codec | None = codec
     if codec.additive:
         whole = codec.whole if full and isinstance(codec, DeltaCodec) else None
-    if whole is None:
+    if not isinstance(whole, UniformCodec):  # raw, fp16, k-means...: nothing to import
         return None
-    from embckpt.codecs import device_encode  # Triton: imported where a GPU model saves
+    # Triton, imported where a GPU model saves through a uniform codec (about 0.1 s the first
+    # time: the saver calls this once when it is built, so that no save() pays it).
+    from embckpt.codecs import device_encode
 
     if not device_encode.is_available(device):
         return None

@@ -113,6 +113,8 @@ class Saver:
         cow = context.config.pipeline == "full" and cow_supported(context.sharded)
         self._hooks = ProtectHooks(state.tracker) if cow else None
         self.slabs = SlabPool(context.config.staging_budget_bytes, device.type == "cuda")
+        if cow:
+            device_encoder(self.codec, True, device)  # its imports now, not in the first save
         self._blocked_since_tick = 0.0
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
