@@ -41,7 +41,7 @@ def run_copier(
     pending = collections.deque(session.early)
     session.early = []
     small: list[StagedUnit] = []
-    small_bytes = [0]
+    small_bytes = 0
 
     def hand_over(units: list[StagedUnit], slabs: list[torch.Tensor], held: int) -> None:
         def task() -> None:
@@ -58,17 +58,19 @@ def run_copier(
 
     def batch(unit: StagedUnit, held: int) -> None:
         """A small unit (its tensors outside any slab) joins the next packed hand-over."""
+        nonlocal small_bytes
         small.append(unit)
-        small_bytes[0] += held
+        small_bytes += held
         pool.hold(held)
-        if small_bytes[0] >= pack_bytes:
+        if small_bytes >= pack_bytes:
             flush()
 
     def flush() -> None:
+        nonlocal small_bytes
         if small:
-            units, held = list(small), small_bytes[0]
+            units, held = list(small), small_bytes
             small.clear()
-            small_bytes[0] = 0
+            small_bytes = 0
             pool.release(held)
             hand_over(units, [], held)
 
@@ -131,7 +133,7 @@ def run_copier(
             for segment in segments:
                 segment.fence.synchronize()
             pool.give(slab)
-        pool.release(small_bytes[0])
+        pool.release(small_bytes)
         executor.shutdown(wait=True)
     for future in writes:
         future.result()

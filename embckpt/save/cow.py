@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from embckpt.save.slabs import SlabPool
-from embckpt.save.snapshot import StagedUnit, Unit
+from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
 from embckpt.sharding import TableShard
 
 DEVICE_SLICE_BYTES = 32 << 20
@@ -248,7 +248,7 @@ class CowSession:
     ) -> dict[str, torch.Tensor]:
         """The block's rows (by index, or a range read in place), weights possibly quantized."""
         out: dict[str, torch.Tensor] = {}
-        for name, live in _tensors(shard):
+        for name, live in shard_tensors(shard):
             if span is not None:
                 part = live[span[0] : span[1]]
             else:
@@ -427,30 +427,13 @@ class CowSession:
     def _unit(
         self, block: CowBlock, rows: torch.Tensor, tensors: dict[str, torch.Tensor], whole: bool
     ) -> StagedUnit:
-        unit = Unit(block.shard, self.part(block), rows, whole)
-        fused = tensors.get("fused")
-        return StagedUnit(
-            unit=unit,
-            local_rows=rows,
-            weights=tensors.get("weight", torch.empty(0)),
-            row_states={k[4:]: v for k, v in tensors.items() if k.startswith("row:")},
-            elem_states={k[5:]: v for k, v in tensors.items() if k.startswith("elem:")},
-            fused=fused,
-        )
-
-
-def _tensors(shard: TableShard) -> Iterator[tuple[str, torch.Tensor]]:
-    yield "weight", shard.weight
-    for name, tensor in shard.row_states.items():
-        yield f"row:{name}", tensor
-    for name, tensor in shard.elem_states.items():
-        yield f"elem:{name}", tensor
+        return StagedUnit.of(Unit(block.shard, self.part(block), rows, whole), rows, tensors)
 
 
 def _row_bytes(shard: TableShard) -> int:
     """A row's bytes in a slab, at most (fp32 weights even when encoded: the encoder may fall
     back to them)."""
-    return sum(t[0].numel() * t.element_size() for _, t in _tensors(shard)) + 1
+    return sum(t[0].numel() * t.element_size() for _, t in shard_tensors(shard)) + 1
 
 
 def _aligned(nbytes: int) -> int:

@@ -37,16 +37,21 @@ class Unit:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The live tensors this unit copies rows of: weights, then optimizer states."""
-        yield "weight", self.shard.weight
-        for name, tensor in self.shard.row_states.items():
-            yield f"row:{name}", tensor
-        for name, tensor in self.shard.elem_states.items():
-            yield f"elem:{name}", tensor
+        return shard_tensors(self.shard)
 
     def staged_bytes(self) -> int:
         return sum(
             StagingArena.nbytes((self.num_rows, *t.shape[1:]), t.dtype) for _, t in self.tensors()
         )
+
+
+def shard_tensors(shard: TableShard) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block's live tensors by staged name: ``weight``, ``row:<state>``, ``elem:<state>``."""
+    yield "weight", shard.weight
+    for name, tensor in shard.row_states.items():
+        yield f"row:{name}", tensor
+    for name, tensor in shard.elem_states.items():
+        yield f"elem:{name}", tensor
 
 
 @dataclass
@@ -59,6 +64,21 @@ class StagedUnit:
     row_states: dict[str, torch.Tensor] = field(default_factory=dict)
     elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
     fused: torch.Tensor | None = None  # weights already quantized on the device (uint8 rows)
+
+    @classmethod
+    def of(
+        cls, unit: Unit, local_rows: torch.Tensor, copies: dict[str, torch.Tensor]
+    ) -> StagedUnit:
+        """A unit's copies by staged name (:func:`shard_tensors`; ``fused`` for weights the
+        device quantized)."""
+        return cls(
+            unit=unit,
+            local_rows=local_rows,
+            weights=copies.get("weight", torch.empty(0)),
+            row_states={k[4:]: v for k, v in copies.items() if k.startswith("row:")},
+            elem_states={k[5:]: v for k, v in copies.items() if k.startswith("elem:")},
+            fused=copies.get("fused"),
+        )
 
 
 def plan_units(
@@ -138,15 +158,7 @@ def stage(piece: list[Unit], arena: StagingArena, stream: Any | None = None) -> 
             out = arena.take((unit.num_rows, *live.shape[1:]), live.dtype)
             _copy_rows(live, unit, out, stream)
             copies[name] = out
-        staged.append(
-            StagedUnit(
-                unit=unit,
-                local_rows=unit.local_rows.cpu(),
-                weights=copies.pop("weight"),
-                row_states={k[4:]: v for k, v in copies.items() if k.startswith("row:")},
-                elem_states={k[5:]: v for k, v in copies.items() if k.startswith("elem:")},
-            )
-        )
+        staged.append(StagedUnit.of(unit, unit.local_rows.cpu(), copies))
     return staged
 
 
