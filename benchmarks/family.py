@@ -10,22 +10,23 @@ setting, on 2 gloo ranks, with ``benchmarks/policies.py``'s worker:
 * ``full``: every checkpoint full with the default's codecs: whole-row 4-bit codes, the
   restored error to match, and the full restore;
 * ``default``: the headline setting as a user gets it;
-* ``before``: the same with the defaults it had before issue 22 (``full_every=4``,
-  ``diffs: one_shot``, no ``max_chain`` bound, lossless optimizer state), given explicitly
-  (``--no-before`` skips it);
-* ``intermittent_one_shot``: the default with Check-N-Run's one-shot diffs only and no
-  ``max_chain`` bound (the predictor alone), beside the best full / one-shot schedule knowing
-  the future (``oracle.py``; the same schedule space);
+* ``previous``: the same with the restore bound it had from issue 22 to issue 30 (1.2 of the
+  last full's bytes, ``max_chain: 1.2``), given explicitly (``--no-previous`` skips it);
 * ``candidate_NAME`` (with ``--candidate NAME=MAPPING``): the headline setting with the
   mapping's fields (to choose defaults from evidence).
 
-Per workload: the measured touched fraction per interval, write reduction (bytes per interval
-against a full fp32 checkpoint) and storage reduction (keeping every fp32 full against the
-latest chain) of ``default`` and ``before``, the oracle's, the one-shot predictor's share of
-it, bytes per written diff row, restored relative L2 against whole-row 4-bit codes, and the
-time to restore the default's final chain against the ``full`` run's final full (the same
-training state), slowest rank, best of ``--repeats`` interleaved rounds. Writes
-``benchmarks/results/family.json``: ``{machine, results: [...], summary: {...}}``.
+Per workload: the measured touched fraction per interval; write reduction (bytes per interval
+against a full fp32 checkpoint) over the whole run and after its first full
+(``..._steady``: a job checkpoints for days, its first full is soon paid off); storage
+reduction (keeping every fp32 full against the latest chain); the best schedule of fulls,
+one-shot and incremental diffs knowing the future, under the default's restore bound
+(``oracle.best_bounded_schedule``), and the default's share of it; bytes per written diff row;
+restored relative L2 against whole-row 4-bit codes; and the time to restore the default's
+newest checkpoint (its whole chain) against ``dcp.load`` of the same model's fp32 checkpoint
+and against the ``full`` run's final full, slowest rank, best (and median) of ``--repeats``
+interleaved rounds. The summary's write figures cover the workloads touching at most
+:data:`SPARSE` of their rows per interval. Writes ``benchmarks/results/family.json``:
+``{machine, results: [...], summary: {...}}``.
 
 Run: ``python benchmarks/family.py [--quick] [--only NAME]``
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -48,20 +48,20 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import write_result  # noqa: E402
-from oracle import Pricing, best_schedule, schedule_bytes  # noqa: E402
-from policies import Schedule, measure, oracle_of, policy_table  # noqa: E402
+from oracle import Pricing, best_bounded_schedule, schedule_bytes  # noqa: E402
+from policies import Schedule, measure, policy_table  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
+from embckpt.policy import COST_MAX_CHAIN, COST_MAX_RESTORE_FP32  # noqa: E402
 
 HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits": 4}
 """The README's headline setting; every field it does not name is the library's default."""
-BEFORE: dict[str, Any] = {
-    "full_every": 4,
-    "policy_options": {"diffs": "one_shot", "max_chain": math.inf},
-    "optimizer_codec": "raw",
-}
-"""The defaults the headline setting had before issue 22, where they differ from today's."""
+PREVIOUS: dict[str, Any] = {"policy_options": {"max_chain": COST_MAX_CHAIN}}
+"""The defaults the headline setting had from issue 22 to issue 30, where they differ from
+today's: a restore bound of 1.2 of the last full's bytes."""
+SPARSE = 0.05
+"""Workloads touching at most this share of their rows per interval: the 40x goal's."""
 SHARES = (0.33, 0.22, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02)
 """How a workload's rows split over its 8 tables (a few large tables, a tail of small ones)."""
 
@@ -99,7 +99,8 @@ class Member:
             embedding_dim=self.dim,
             zipf_alpha=self.alpha,
             batch_size=self.batch,
-            # One epoch covers the run (a sample is seen once), within 400k generated samples.
+            # A sample is seen once where the run fits in 400k generated samples; longer runs
+            # go through them again, as epochs do.
             num_samples=min(steps * self.batch * world_size, 400_000),
             dense_arch=(64, self.dim),
             over_arch=(64, 1),
@@ -108,8 +109,8 @@ class Member:
 
 
 FAMILY = (
-    Member("zipf1.0_dim32", rows=600_000, dim=32, alpha=1.0, batch=256, every=10, intervals=16),
-    Member("zipf1.4_dim64", rows=1_200_000, dim=64, alpha=1.4, batch=512, every=20, intervals=16),
+    Member("zipf1.0_dim32", rows=600_000, dim=32, alpha=1.0, batch=256, every=10, intervals=30),
+    Member("zipf1.4_dim64", rows=1_200_000, dim=64, alpha=1.4, batch=512, every=20, intervals=30),
     Member(
         "rows10k_dim128",
         rows=80_000,
@@ -128,10 +129,10 @@ FAMILY = (
         alpha=1.0,
         batch=1024,
         every=40,
-        intervals=10,
+        intervals=30,
     ),
     Member("long_interval", rows=300_000, dim=64, alpha=1.2, batch=128, every=100, intervals=10),
-    Member("short_interval", rows=300_000, dim=16, alpha=1.1, batch=256, every=3, intervals=20),
+    Member("short_interval", rows=300_000, dim=16, alpha=1.1, batch=256, every=3, intervals=30),
     Member(
         "warm_start",
         rows=1_200_000,
@@ -139,7 +140,7 @@ FAMILY = (
         alpha=1.1,
         batch=512,
         every=20,
-        intervals=16,
+        intervals=30,
         warmup=600,
     ),
     Member("dim128", rows=200_000, dim=128, alpha=1.05, batch=256, every=10, intervals=16),
@@ -150,13 +151,10 @@ def settings(candidates: list[str]) -> dict[str, CheckpointConfig]:
     """The runs' checkpoint settings; each of ``candidates`` (``NAME=MAPPING``, the mapping in
     YAML) adds run ``candidate_NAME``: the headline setting with the mapping's fields."""
     default = from_mapping(CheckpointConfig, {**HEADLINE, "keep_last": 1}, "headline")
-    # The predictor alone, in the oracle's schedule space: one-shot diffs, no restore bound.
-    options = {**default.policy_options, "diffs": "one_shot", "max_chain": math.inf}
     configs = {
         "full": dataclasses.replace(default, policy="full", policy_options={}),
         "default": default,
-        "before": dataclasses.replace(default, **BEFORE),
-        "intermittent_one_shot": dataclasses.replace(default, policy_options=options),
+        "previous": dataclasses.replace(default, **PREVIOUS),
     }
     for candidate in candidates:
         name, _, mapping = candidate.partition("=")
@@ -175,23 +173,47 @@ def _schedule_string(records: list[dict[str, Any]]) -> str:
     )
 
 
-def _before_last_full(
-    records: list[dict[str, Any]], counts: np.ndarray, pricing: dict[str, float]
-) -> float | None:
-    """The one-shot predictor's bytes against the best schedule's over the intervals before its
-    last full (None if it took only the first): a run cut short ends the oracle's schedule
-    there too, so a full the predictor takes for intervals the run never reaches counts against
-    it in ``predictor_vs_oracle``; here both cover the same finished chains."""
-    last = max(t for t, r in enumerate(records) if r["kind"] == "full")
-    if last == 0:
-        return None
-    price = Pricing(**pricing)
-    costs = price.diff_costs(counts[:last, :last])
-    fulls = [t for t, r in enumerate(records[:last]) if r["kind"] == "full"]
-    parents = [None if t in fulls else max(f for f in fulls if f < t) for t in range(last)]
-    predictor = schedule_bytes(parents, price.full_bytes, costs)
-    best, _ = best_schedule(price.full_bytes, costs)
-    return best / predictor
+def _parents(records: list[dict[str, Any]]) -> list[int | None]:
+    """Each checkpoint's parent interval (None for a full)."""
+    index = {r["step"]: t for t, r in enumerate(records)}
+    return [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
+
+
+def bounded_oracle(
+    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float
+) -> dict[str, Any]:
+    """The best schedule of fulls, one-shot and incremental diffs under the default's restore
+    bound (``oracle.best_bounded_schedule``), priced from the default run's measured bytes
+    (fulls: the mean of the ``full`` and ``default`` runs' fulls, which share codecs; diffs:
+    the default's bytes per written row plus its per-checkpoint files), beside the default's
+    own schedule priced alike."""
+    records = runs["default"]
+    diffs = [r for r in records if r["kind"] == "diff"]
+    fulls = [r["bytes"] for name in ("full", "default") for r in runs[name] if r["kind"] == "full"]
+    rows = sum(r["rows"] for r in diffs)
+    pricing = Pricing(
+        full_bytes=sum(fulls) / len(fulls),
+        diff_row_bytes=sum(r["rows_bytes"] for r in diffs) / rows if rows else 0.0,
+        diff_fixed_bytes=sum(r["non_row_bytes"] for r in diffs) / max(len(diffs), 1),
+    )
+    bound = max(COST_MAX_RESTORE_FP32 * fp32, COST_MAX_CHAIN * pricing.full_bytes)
+    costs = pricing.diff_costs(counts)
+    best, kinds = best_bounded_schedule(pricing.full_bytes, costs, bound)
+    priced = schedule_bytes(_parents(records), pricing.full_bytes, costs)
+    intervals = len(records)
+    return {
+        "pricing": dataclasses.asdict(pricing),
+        "bound_bytes": bound,
+        "schedule": "".join(kinds),
+        "write_reduction_x": fp32 * intervals / best,
+        "default_priced_write_reduction_x": fp32 * intervals / priced,
+    }
+
+
+def _reduction(records: list[dict[str, Any]], fp32: float, skip: int = 0) -> float:
+    """Full fp32 bytes over bytes written, per interval, after the first ``skip`` checkpoints."""
+    kept = records[skip:]
+    return fp32 * len(kept) / sum(r["bytes"] for r in kept)
 
 
 def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int) -> dict[str, Any]:
@@ -205,19 +227,15 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
     table = policy_table(runs, rel_l2)
     fp32 = runs["full"][0]["full_fp32_bytes"]
     keep_all_fp32 = fp32 * member.intervals
-    # Fulls priced from the two runs with the one-shot run's own codecs.
-    oracle = oracle_of(
-        {k: runs[k] for k in ("full", "intermittent_one_shot")},
-        counts["intermittent_one_shot"],
-        fp32,
-        "intermittent_one_shot",
-    )
+    oracle = bounded_oracle(runs, counts["default"], fp32)
     restore = measured["restore_s"]
-    full_s, chain_s = min(restore["full"]), min(restore["default"])
+    best = {name: min(times) for name, times in restore.items()}
+    median = {name: statistics.median(times) for name, times in restore.items()}
     links = measured["restore_phases"]["default"][0][0]["links"]
     per_run = {
         name: {
             "write_reduction_x": table[name]["write_reduction_x"],
+            "write_reduction_x_steady": _reduction(runs[name], fp32, skip=1),
             "storage_reduction_x": keep_all_fp32 / runs[name][-1]["storage_held_bytes"],
             "full_checkpoints": table[name]["full_checkpoints"],
             "bytes_per_written_row_diff": table[name]["bytes_per_written_row_diff"],
@@ -231,7 +249,6 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         for name in configs
     }
     default = per_run["default"]
-    one_shot_x = per_run["intermittent_one_shot"]["write_reduction_x"]
     touched = [r["touched_fraction"] for r in runs["full"][1:]]
     row = {
         "workload": member.name,
@@ -242,24 +259,28 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         "touched_fraction_range": [min(touched), max(touched)],
         "full_fp32_bytes": fp32,
         "write_reduction_x": default["write_reduction_x"],
+        "write_reduction_x_steady": default["write_reduction_x_steady"],
         "storage_reduction_x": default["storage_reduction_x"],
-        "before_write_reduction_x": per_run.get("before", {}).get("write_reduction_x"),
-        "before_storage_reduction_x": per_run.get("before", {}).get("storage_reduction_x"),
-        "oracle_write_reduction_x": oracle["write_reduction_x"],
-        "one_shot_intermittent_write_reduction_x": one_shot_x,
-        "predictor_vs_oracle": one_shot_x / oracle["write_reduction_x"],
-        "predictor_vs_oracle_before_last_full": _before_last_full(
-            runs["intermittent_one_shot"], counts["intermittent_one_shot"], oracle["pricing"]
+        "previous_write_reduction_x": per_run.get("previous", {}).get("write_reduction_x"),
+        "previous_write_reduction_x_steady": per_run.get("previous", {}).get(
+            "write_reduction_x_steady"
         ),
+        "oracle_write_reduction_x": oracle["write_reduction_x"],
+        "predictor_vs_oracle": default["write_reduction_x"] / oracle["write_reduction_x"],
+        "predictor_vs_oracle_priced": oracle["default_priced_write_reduction_x"]
+        / oracle["write_reduction_x"],
         "bytes_per_written_row": default["bytes_per_written_row_diff"],
         "restored_rel_l2": default["restored_rel_l2"],
         "whole_row_rel_l2": per_run["full"]["restored_rel_l2"],
         "rel_l2_vs_whole_row": default["restored_rel_l2"] / per_run["full"]["restored_rel_l2"],
-        "chain_restore_s": chain_s,
-        "full_restore_s": full_s,
-        "chain_vs_full_restore": chain_s / full_s,
+        "chain_restore_s": best["default"],
+        "full_restore_s": best["full"],
+        "dcp_load_s": best["dcp_load"],
+        "restore_vs_dcp_load": best["default"] / best["dcp_load"],
+        "restore_vs_dcp_load_median": median["default"] / median["dcp_load"],
+        "chain_vs_full_restore": best["default"] / best["full"],
         "chain_links": links,
-        "restore_s_per_extra_link": (chain_s - full_s) / max(links - 1, 1),
+        "restore_s_per_extra_link": (best["default"] - best["full"]) / max(links - 1, 1),
         "restore_s": restore,
         "restore_phases": measured["restore_phases"],
         "byte_budget": table["default"]["byte_budget"],
@@ -269,20 +290,22 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
     }
     print(
         f"{member.name:>15}: touched {row['touched_fraction']:.3f}, default "
-        f"{row['write_reduction_x']:.1f}x ({default['schedule']}), before "
-        f"{row['before_write_reduction_x'] or float('nan'):.1f}x, oracle "
-        f"{row['oracle_write_reduction_x']:.1f}x, one-shot {one_shot_x:.1f}x "
-        f"({row['predictor_vs_oracle']:.3f}), storage {row['storage_reduction_x']:.1f}x, "
+        f"{row['write_reduction_x']:.1f}x, steady {row['write_reduction_x_steady']:.1f}x "
+        f"({default['schedule']}), previous {row['previous_write_reduction_x'] or 0:.1f}x, "
+        f"oracle {row['oracle_write_reduction_x']:.1f}x ({oracle['schedule']}, "
+        f"{row['predictor_vs_oracle']:.3f}), storage {row['storage_reduction_x']:.1f}x, "
         f"{row['bytes_per_written_row'] or float('nan'):.1f} B/row, "
-        f"rel l2 {row['restored_rel_l2']:.4f} vs "
-        f"{row['whole_row_rel_l2']:.4f}, restore {chain_s:.3f} s vs {full_s:.3f} s "
-        f"({row['chain_vs_full_restore']:.2f}x), {row['runtime_s']:.0f} s",
+        f"rel l2 {row['restored_rel_l2']:.4f} vs {row['whole_row_rel_l2']:.4f}, restore "
+        f"{best['default']:.3f} s vs dcp.load {best['dcp_load']:.3f} s "
+        f"({row['restore_vs_dcp_load']:.2f}x), full {best['full']:.3f} s, "
+        f"{row['runtime_s']:.0f} s",
         flush=True,
     )
     for name, run in per_run.items():
         if name.startswith("candidate_"):
             print(
-                f"{'':>17}{name}: {run['write_reduction_x']:.1f}x ({run['schedule']}), "
+                f"{'':>17}{name}: {run['write_reduction_x']:.1f}x, steady "
+                f"{run['write_reduction_x_steady']:.1f}x ({run['schedule']}), "
                 f"{run['bytes_per_written_row_diff'] or 0:.1f} B/row, rel l2 "
                 f"{run['restored_rel_l2']:.4f}",
                 flush=True,
@@ -300,7 +323,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer intervals, shorter warm-up")
     parser.add_argument("--only", action="append", default=[], help="run these workloads only")
     parser.add_argument("--repeats", type=int, default=5, help="restore rounds (best is kept)")
-    parser.add_argument("--no-before", action="store_true", help="skip the old defaults' run")
+    parser.add_argument(
+        "--no-previous", action="store_true", help="skip the previous defaults' run"
+    )
     parser.add_argument(
         "--candidate",
         action="append",
@@ -312,20 +337,22 @@ def main() -> None:
     parser.add_argument("--name", default="family", help="result file name")
     args = parser.parse_args()
     configs = settings(args.candidate)
-    if args.no_before:
-        del configs["before"]
+    if args.no_previous:
+        del configs["previous"]
     members = [m for m in FAMILY if not args.only or m.name in args.only]
     started = time.perf_counter()
     results = [evaluate(quick(m) if args.quick else m, configs, args.repeats) for m in members]
+    sparse = [r for r in results if r["touched_fraction"] <= SPARSE] or results
     summary = {
-        "min_write_reduction_x": min(r["write_reduction_x"] for r in results),
+        "sparse_workloads": [r["workload"] for r in sparse],
+        "min_write_reduction_x": min(r["write_reduction_x"] for r in sparse),
+        "min_write_reduction_x_steady": min(r["write_reduction_x_steady"] for r in sparse),
         "min_predictor_vs_oracle": min(r["predictor_vs_oracle"] for r in results),
-        "max_chain_vs_full_restore": max(r["chain_vs_full_restore"] for r in results),
-        "min_predictor_vs_oracle_before_last_full": min(
-            (r["predictor_vs_oracle_before_last_full"] or 1.0) for r in results
-        ),
+        "max_restore_vs_dcp_load": max(r["restore_vs_dcp_load"] for r in results),
+        "max_restore_vs_dcp_load_median": max(r["restore_vs_dcp_load_median"] for r in results),
         "max_rel_l2_vs_whole_row": max(r["rel_l2_vs_whole_row"] for r in results),
         "min_storage_reduction_x": min(r["storage_reduction_x"] for r in results),
+        "max_chain_vs_full_restore": max(r["chain_vs_full_restore"] for r in results),
         "touched_fraction_range": [
             min(r["touched_fraction"] for r in results),
             max(r["touched_fraction"] for r in results),

@@ -76,3 +76,55 @@ def best_schedule(full_bytes: float, diff_costs: np.ndarray) -> tuple[float, lis
         kinds[start[end]] = "full"
         end = int(start[end])
     return float(best[intervals]), kinds
+
+
+def best_bounded_schedule(
+    full_bytes: float, diff_costs: np.ndarray, bound: float
+) -> tuple[float, list[str]]:
+    """The cheapest schedule of fulls, one-shot and incremental diffs whose every checkpoint
+    restores reading at most ``bound`` bytes (a full alone always may): (bytes written, per
+    interval ``F`` full / ``d`` one-shot / ``i`` incremental).
+
+    ``diff_costs[p, t]`` prices a diff at ``t`` on checkpoint ``p``: one-shot on the full ``f``
+    (``diff_costs[f, t]``), incremental on ``t - 1``. After a full at ``f`` and the latest
+    one-shot diff (or the full) at ``o``, a restore at ``t`` reads the full, that one-shot diff
+    and the incremental diffs ``o+1..t``: the state ``(f, o)`` fixes it, so dynamic programming
+    over the states at each interval is exact (a few hundred states per interval here).
+    """
+    intervals = len(diff_costs)
+    step = np.array([diff_costs[t - 1, t] if t else 0.0 for t in range(intervals)])
+    increments = np.cumsum(step)  # increments[t] - increments[o]: incremental diffs o+1..t
+
+    def reads(f: int, o: int, t: int) -> float:
+        one_shot = diff_costs[f, o] if o > f else 0.0
+        return full_bytes + one_shot + increments[t] - increments[o]
+
+    # states[(f, o)] = (bytes written so far, the previous interval's state, this kind)
+    states: dict[tuple[int, int], tuple[float, tuple[int, int] | None, str]] = {
+        (0, 0): (full_bytes, None, "F")
+    }
+    history = [states]
+    for t in range(1, intervals):
+        cheapest = min(states, key=lambda s: states[s][0])
+        nxt: dict[tuple[int, int], tuple[float, tuple[int, int] | None, str]] = {
+            (t, t): (states[cheapest][0] + full_bytes, cheapest, "F")
+        }
+        for (f, o), (written, _, _) in states.items():
+            options = (((f, t), diff_costs[f, t], "d"), ((f, o), step[t], "i"))
+            for state, cost, kind in options:
+                if reads(state[0], state[1], t) > bound:
+                    continue
+                total = written + cost
+                if state not in nxt or total < nxt[state][0]:
+                    nxt[state] = (total, (f, o), kind)
+        states = nxt
+        history.append(states)
+    state: tuple[int, int] | None = min(states, key=lambda s: states[s][0])
+    best = states[state][0]
+    kinds = []
+    for t in range(intervals - 1, -1, -1):
+        assert state is not None
+        _, previous, kind = history[t][state]
+        kinds.append(kind)
+        state = previous
+    return float(best), kinds[::-1]

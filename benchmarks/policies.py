@@ -31,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 from byte_budget import checkpoint_budget, format_budget, merge_budgets  # noqa: E402
-from common import RESULTS, build_workload, write_result  # noqa: E402
+from common import RESULTS, build_workload, dcp_save, dcp_state, write_result  # noqa: E402
 from oracle import Pricing, best_schedule, one_shot_parents, schedule_bytes, union_counts  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping, load_yaml  # noqa: E402
@@ -195,18 +195,25 @@ def _restore_times(
     cfg: DemoConfig,
     directories: dict[str, tuple[Path, CheckpointConfig]],
     repeats: int,
+    dcp_dir: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Seconds to load the latest checkpoint of each of ``directories`` into a fresh model,
     ``repeats`` rounds, the directories in turn in each round (so that their ratios come from
     the same moments), between barriers; the slowest rank's time is the caller's to take.
-    ``phases``: each load's links and busy seconds per restore phase."""
+    ``phases``: each load's links and busy seconds per restore phase. With ``dcp_dir``, the
+    model's full fp32 checkpoint is written there with ``dcp.save`` first (untimed) and each
+    round also times its ``dcp.load`` (``dcp_load``), what a DCP user would wait for."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     from embckpt import Checkpointer
 
     work = build_workload(rank, world_size, cfg)
     seconds: dict[str, list[float]] = {name: [] for name in directories}
     phases: dict[str, list[dict[str, float]]] = {name: [] for name in directories}
+    if dcp_dir is not None:
+        dcp_save(dcp_state(work.model, work.optimizer), str(dcp_dir), threads=2)
+        seconds["dcp_load"] = []
     for _ in range(repeats):
         for name, (directory, config) in directories.items():
             with Checkpointer(
@@ -218,6 +225,12 @@ def _restore_times(
                 seconds[name].append(time.perf_counter() - started)
                 phases[name].append({"links": len(result.chain), **result.phases})
                 dist.barrier()
+        if dcp_dir is not None:
+            dist.barrier()
+            started = time.perf_counter()
+            dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=str(dcp_dir))
+            dist.barrier()
+            seconds["dcp_load"].append(time.perf_counter() - started)
     return {"seconds": seconds, "phases": phases}
 
 
@@ -267,7 +280,9 @@ def _worker(
         dist.barrier()
     if restore_pairs:
         directories = {name: (Path(root) / name, configs[name]) for name in restore_pairs}
-        out["restore_s"] = _restore_times(rank, world_size, cfg, directories, repeats)
+        out["restore_s"] = _restore_times(
+            rank, world_size, cfg, directories, repeats, Path(root) / "dcp"
+        )
     return out
 
 
@@ -285,8 +300,9 @@ def measure(
     rows touched in the union of intervals ``f+1..t``, every rank's rows, see
     :func:`oracle.union_counts`), ``rel_l2`` (per run and table) and, when ``restore_runs``
     names runs, ``restore_s``: per run, the slowest rank's seconds to load its latest checkpoint
-    into a fresh model, one per round (``restore_phases``: per run and rank, each load's links
-    and phase seconds)."""
+    into a fresh model, one per round, and ``dcp_load``: ``dcp.load`` of the model's fp32
+    checkpoint in the same rounds (``restore_phases``: per run and rank, each load's links and
+    phase seconds)."""
     ranks = run_ranks(
         _worker,
         cfg.world_size,
@@ -308,7 +324,7 @@ def measure(
     if restore_runs:
         result["restore_s"] = {
             name: np.max([r["restore_s"]["seconds"][name] for r in ranks], axis=0).tolist()
-            for name in restore_runs
+            for name in (*restore_runs, "dcp_load")
         }
         result["restore_phases"] = {
             name: [r["restore_s"]["phases"][name] for r in ranks] for name in restore_runs

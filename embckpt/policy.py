@@ -18,7 +18,14 @@ from typing import Any, Protocol
 from embckpt.errors import ConfigError
 
 COST_MAX_CHAIN = 1.2
-"""The ``cost`` rule's bound on a restore's reads, in full checkpoints (``max_chain``)."""
+"""The ``cost`` rule's floor on what a restore may read, in full checkpoints: a chain may always
+read this much (as ``max_chain`` bounded it by default before issue 31)."""
+
+COST_MAX_RESTORE_FP32 = 0.3
+"""The ``cost`` rule's default bound on a restore's reads, as a share of the model's full fp32
+checkpoint (weights and optimizer state, what ``dcp.save`` writes for them): the encoded bytes
+our restore reads in the time ``dcp.load`` reads the fp32 checkpoint, measured side by side
+(``benchmarks/restore_bound.py``, ``benchmarks/results/restore_bound.json``)."""
 
 
 class HistoryRecord(Protocol):
@@ -80,6 +87,8 @@ class PolicyInput:
             there is no full checkpoint to build on.
         chain_bytes: bytes a restore of the latest checkpoint reads (its full and the diffs its
             parent links pass through); None when unknown (:func:`assumed_chain_bytes`).
+        fp32_full_bytes: bytes of the model's tables and their optimizer state at fp32 (a full
+            fp32 checkpoint's rows); None when unknown (no bound relative to it applies).
     """
 
     step: int
@@ -87,6 +96,7 @@ class PolicyInput:
     dirty_since_full: float
     history: tuple[HistoryRecord, ...]
     chain_bytes: int | None = None
+    fp32_full_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -230,12 +240,20 @@ class IntermittentPolicy(Policy):
     fraction of it; the restore term bounds the chain, since a full then becomes the cheaper
     forecast.
 
-    ``max_chain`` bounds what a restore reads, whatever the prices: no diff is written that
-    would make a restore of the chain read more than ``max_chain`` times the last full's bytes
-    (a one-shot diff is tried when an incremental one would cross it, then a full). None takes
-    the rule's own: 1.2 under ``cost``, which keeps a restore of the latest checkpoint near 1.2x
-    a full restore (benchmarks/family.py measures both), and no bound under ``checknrun``, the
-    rule as published; ``float("inf")`` (YAML ``.inf``) lifts it.
+    Two bounds keep what a restore reads within reach, whatever the prices: no diff is written
+    that would make a restore of the chain read more than the bound (a one-shot diff is tried
+    when an incremental one would cross it, then a full).
+
+    * ``max_restore_fp32``: in shares of the model's full fp32 checkpoint, the one ``dcp.load``
+      would read instead. The default (under ``cost``, :data:`COST_MAX_RESTORE_FP32`) is
+      calibrated so that such a restore takes no longer than ``dcp.load`` of that checkpoint.
+    * ``max_chain``: in the last full's bytes.
+
+    Given alone, each is the bound. Neither given (the default under ``cost``), a chain may
+    read the larger of the two defaults: :data:`COST_MAX_RESTORE_FP32` of the fp32 checkpoint,
+    or :data:`COST_MAX_CHAIN` fulls, so that chains of lossless fulls (about the fp32
+    checkpoint's size) keep the bound they had. Both given: both hold. ``checknrun``, the rule
+    as published, has no bound by default; ``float("inf")`` (YAML ``.inf``) lifts either.
     """
 
     name = "intermittent"
@@ -248,17 +266,11 @@ class IntermittentPolicy(Policy):
         restore_weight: float = 0.05,
         diffs: str | None = None,
         max_chain: float | None = None,
+        max_restore_fp32: float | None = None,
     ) -> None:
         super().__init__(full_every)
-        if max_chain is not None and not (
-            isinstance(max_chain, (int, float))
-            and not isinstance(max_chain, bool)
-            and max_chain > 1
-        ):
-            raise ConfigError(
-                f"intermittent max_chain must be a number above 1 (times a full's bytes), "
-                f"got {max_chain!r}"
-            )
+        _check_bound("max_chain", max_chain, "above 1 (times a full's bytes)", 1.0)
+        _check_bound("max_restore_fp32", max_restore_fp32, "above 0 (of the fp32 full)", 0.0)
         if rule not in ("cost", "checknrun"):
             raise ConfigError(f"intermittent rule {rule!r} is not 'cost' or 'checknrun'")
         if diffs is None:
@@ -271,13 +283,26 @@ class IntermittentPolicy(Policy):
         self.restore_weight = restore_weight if rule == "cost" else 0.0
         self.diffs = diffs
         self.mixes_diffs = diffs == "auto"
-        if max_chain is None:
-            max_chain = COST_MAX_CHAIN if rule == "cost" else math.inf
-        self.max_chain = float(max_chain)
+        # The floor in fulls applies only when neither bound is given (see the docstring).
+        defaults = rule == "cost" and max_chain is None and max_restore_fp32 is None
+        self.chain_floor = COST_MAX_CHAIN if defaults else 0.0
+        if max_restore_fp32 is None:
+            max_restore_fp32 = COST_MAX_RESTORE_FP32 if defaults else math.inf
+        self.max_chain = math.inf if max_chain is None else float(max_chain)
+        self.max_restore_fp32 = float(max_restore_fp32)
 
-    def _fits(self, chain: float) -> bool:
-        """Whether a restore reading ``chain`` (in fulls) stays within ``max_chain``."""
-        return chain <= self.max_chain
+    def _fits(self, chain: float, stats: PolicyInput) -> bool:
+        """Whether a restore reading ``chain`` (in fulls) stays within the bounds; with the
+        fp32 checkpoint's size unknown, the default is the floor in fulls alone."""
+        if chain > self.max_chain:
+            return False
+        fp32 = stats.fp32_full_bytes
+        limit = math.inf
+        if fp32 is not None:
+            limit = self.max_restore_fp32 * fp32 / max(stats.history[0].bytes, 1)
+        if self.chain_floor:
+            limit = self.chain_floor if fp32 is None else max(limit, self.chain_floor)
+        return chain <= limit
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         if self.diffs == "auto":
@@ -290,7 +315,7 @@ class IntermittentPolicy(Policy):
         if len(stats.history) >= 2 and last.dirty_fraction > 0:
             rate = last.bytes / full_bytes / last.dirty_fraction
         upcoming = rate * stats.dirty_since_full if rate > 0 else None
-        if upcoming is not None and not self._fits(1.0 + upcoming):
+        if upcoming is not None and not self._fits(1.0 + upcoming, stats):
             return Decision(
                 Kind.FULL, reason=f"restore bound: a diff would read {1.0 + upcoming:.2f} fulls"
             )
@@ -322,12 +347,19 @@ class IntermittentPolicy(Policy):
         cost_incremental = incremental + w * (chain + incremental)
         priced = {DiffBase.LAST_FULL: cost_one_shot, DiffBase.PREVIOUS: cost_incremental}
         reads = {DiffBase.LAST_FULL: 1.0 + one_shot, DiffBase.PREVIOUS: chain + incremental}
-        allowed = [b for b in (DiffBase.LAST_FULL, DiffBase.PREVIOUS) if self._fits(reads[b])]
+        bases = (DiffBase.LAST_FULL, DiffBase.PREVIOUS)
+        allowed = [b for b in bases if self._fits(reads[b], stats)]
         if not allowed:
             least = min(reads.values())
             return Decision(Kind.FULL, reason=f"restore bound: a diff would read {least:.2f} fulls")
         base = min(allowed, key=lambda b: priced[b])
-        upcoming = priced[base]
+        rebase = reads[DiffBase.LAST_FULL] < reads[DiffBase.PREVIOUS]
+        if base is DiffBase.PREVIOUS and DiffBase.LAST_FULL in allowed and rebase:
+            # The last moment a one-shot diff still fits, if the next incremental one would
+            # not: later, the rows changed since the full may not fit either, and a full would.
+            if not self._fits(reads[DiffBase.PREVIOUS] + incremental, stats):
+                base = DiffBase.LAST_FULL
+        upcoming = min(priced[b] for b in allowed)  # a rebase is paid once, not per interval
         # Check-N-Run's forecast over the next i + 1 checkpoints: keeping on costs at least the
         # next diff's price each time; a full now costs itself, then the diffs so far again
         # (priced as written, plus a restore reading the full and each).
@@ -339,6 +371,14 @@ class IntermittentPolicy(Policy):
             return Decision(Kind.FULL, reason=f"predictor: full is cheaper ({detail})")
         kind = "one-shot" if base is DiffBase.LAST_FULL else "incremental"
         return Decision(Kind.DIFF, base=base, reason=f"predictor: {kind} diff ({detail})")
+
+
+def _check_bound(name: str, value: object, what: str, above: float) -> None:
+    """A bound option is None or a number above ``above``."""
+    if value is None:
+        return
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > above):
+        raise ConfigError(f"intermittent {name} must be a number {what}, got {value!r}")
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -12,7 +13,14 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 from byte_budget import PARTS, checkpoint_budget  # noqa: E402
-from oracle import Pricing, best_schedule, one_shot_parents, schedule_bytes, union_counts  # noqa: E402
+from oracle import (  # noqa: E402
+    Pricing,
+    best_bounded_schedule,
+    best_schedule,
+    one_shot_parents,
+    schedule_bytes,
+    union_counts,
+)
 
 HUFFMAN_STEP = Path(__file__).parent / "fixtures/v1/adaptive_incremental/step_000000000005"
 
@@ -40,6 +48,44 @@ def test_best_schedule_is_the_cheapest_of_every_schedule() -> None:
     assert kinds[0] == "full"
     assert np.isclose(total, cheapest)
     assert np.isclose(schedule_bytes(one_shot_parents(kinds), pricing.full_bytes, costs), total)
+
+
+def _walk(kinds: tuple[str, ...], full: float, costs: np.ndarray) -> tuple[float, float]:
+    """Bytes written and the most any restore reads, for a schedule of F / d / i."""
+    written = most = chain = 0.0
+    f = 0
+    for t, kind in enumerate(kinds):
+        if kind == "F":
+            f = t
+            chain = cost = full
+        elif kind == "d":
+            cost = costs[f, t]
+            chain = full + cost
+        else:
+            cost = costs[t - 1, t]
+            chain += cost
+        written += cost
+        most = max(most, chain if kind != "F" else 0.0)
+    return written, most
+
+
+def test_bounded_schedule_is_the_cheapest_within_the_bound() -> None:
+    """Against every schedule of fulls, one-shot and incremental diffs of 7 intervals."""
+    rng = np.random.default_rng(2)
+    touched = rng.random((7, 300)) < rng.random((7, 1)) * 0.3
+    pricing = Pricing(full_bytes=400.0, diff_row_bytes=2.0, diff_fixed_bytes=10.0)
+    costs = pricing.diff_costs(union_counts(touched))
+    for bound in (math.inf, 700.0, 550.0, 450.0, 300.0):
+        feasible = [
+            _walk(("F", *rest), pricing.full_bytes, costs)[0]
+            for rest in itertools.product("Fdi", repeat=6)
+            if _walk(("F", *rest), pricing.full_bytes, costs)[1] <= bound
+        ]
+        total, kinds = best_bounded_schedule(pricing.full_bytes, costs, bound)
+        assert np.isclose(total, min(feasible)), bound
+        written, most = _walk(tuple(kinds), pricing.full_bytes, costs)
+        assert np.isclose(written, total) and most <= bound
+    assert kinds == ["F"] * 7  # a bound below any diff leaves fulls alone
 
 
 def test_a_schedule_prices_each_diff_on_its_parent() -> None:
@@ -82,7 +128,7 @@ def test_budget_parts_add_up_to_the_files_and_huffman_bits_are_exact() -> None:
 def test_the_family_spans_the_issue_s_ranges_and_measures_the_defaults() -> None:
     """benchmarks/family.py: workloads spanning Zipf 1.0-1.4, 10k to 10M rows per table, 16 to
     128 columns, short and long intervals and a warm start; its ``default`` run is the headline
-    setting with nothing else set, its ``before`` run the defaults before issue 22."""
+    setting with nothing else set, its ``previous`` run the restore bound of issues 22-30."""
     from family import FAMILY, settings
 
     from embckpt.config import CheckpointConfig
@@ -99,12 +145,8 @@ def test_the_family_spans_the_issue_s_ranges_and_measures_the_defaults() -> None
     configs = settings(["log8={optimizer_codec: log8}"])
     headline = CheckpointConfig(policy="intermittent", codec="adaptive", bits=4, keep_last=1)
     assert configs["default"] == headline
-    before = make_policy(configs["before"])
-    assert (before.full_every, before.diffs, configs["before"].optimizer_codec) == (
-        4,
-        "one_shot",
-        "raw",
-    )
-    assert make_policy(configs["intermittent_one_shot"]).diffs == "one_shot"
+    previous = make_policy(configs["previous"])
+    assert (previous.max_chain, previous.max_restore_fp32) == (1.2, math.inf)
+    assert make_policy(configs["default"]).chain_floor == 1.2
     assert configs["candidate_log8"].optimizer_codec == "log8"
     assert configs["full"].policy == "full"

@@ -14,6 +14,7 @@ from embckpt.config import CheckpointConfig
 from embckpt.errors import ConfigError
 from embckpt.examples.launcher import run_ranks
 from embckpt.policy import (
+    COST_MAX_RESTORE_FP32,
     DiffBase,
     IntermittentPolicy,
     Kind,
@@ -98,20 +99,27 @@ def test_auto_diffs_go_incremental_while_one_shot_diffs_regrow_then_a_full() -> 
 
 
 def test_max_chain_bounds_what_a_restore_reads_whatever_the_prices() -> None:
-    """Under the cost rule, no diff makes a restore read more than 1.2 fulls by default: an
-    incremental diff that would cross it gives way to a one-shot one that fits, then to a
-    full; Check-N-Run's published rule has no bound."""
+    """Under the cost rule, with the fp32 checkpoint's size unknown, no diff makes a restore
+    read more than 1.2 fulls by default: an incremental diff that would cross it gives way to
+    a one-shot one that fits, then to a full; Check-N-Run's published rule has no bound."""
     policy = IntermittentPolicy(restore_weight=0.0)
-    assert policy.max_chain == 1.2
-    assert IntermittentPolicy(rule="checknrun").max_chain == math.inf
+    assert policy.chain_floor == 1.2 and policy.max_chain == math.inf
+    published = IntermittentPolicy(rule="checknrun")
+    assert published.max_chain == published.max_restore_fp32 == math.inf
 
     def decide(policy: IntermittentPolicy, since_full: float, chain: float):
         # Three incremental diffs of 0.05 (of the rows, and of the full's bytes) so far.
         stats = PolicyInput(99, 0.05, since_full, _history([0.05] * 3), int(1000 * chain))
         return policy.decide(stats)
 
-    # The chain reads 1.15 fulls: another incremental diff (1.20) still fits ...
-    assert decide(policy, 0.15, chain=1.15).base is DiffBase.PREVIOUS
+    # The chain reads 1.05 fulls: another incremental diff (1.10) fits, and so would the next.
+    assert decide(policy, 0.15, chain=1.05).base is DiffBase.PREVIOUS
+    # At 1.15 one more (1.20) still fits, but the next would not: the last moment a one-shot
+    # diff (1 + 0.15) fits, and it reads less, so the chain rebases on the full ...
+    rebase = decide(policy, 0.15, chain=1.15)
+    assert (rebase.kind, rebase.base) == (Kind.DIFF, DiffBase.LAST_FULL)
+    # ... not where the one-shot diff would read more than the incremental chain.
+    assert decide(policy, 0.19, chain=1.13).base is DiffBase.PREVIOUS
     # ... at 1.18 it would not (1.23): a one-shot diff of the rows changed since the full
     # (1 + 0.15) is written instead, though it writes more ...
     bounded = decide(policy, 0.15, chain=1.18)
@@ -261,3 +269,37 @@ def test_retention_and_merge_on_two_ranks() -> None:
         assert out["merge_vs_20"] == [] and out["merged_verify_ok"], where
         assert out["n_diff_19_vs_20"] > 0, where  # 19 and 20 differ: the check can fail
     assert results[0]["merged_kind"] == "full" and results[0]["merged_from"] == [15, 16, 17, 18, 19]
+
+
+def test_restore_bound_is_a_share_of_the_fp32_checkpoint() -> None:
+    """By default a chain may read COST_MAX_RESTORE_FP32 of the fp32 checkpoint, or 1.2 fulls
+    where that is more (lossless fulls); a bound given alone is the bound, both given both
+    hold."""
+    fp32 = int(1000 / 0.18)  # a full of 1000 bytes is 0.18 of the fp32 checkpoint
+    limit = COST_MAX_RESTORE_FP32 * fp32 / 1000  # in fulls
+
+    def decide(policy: IntermittentPolicy, chain: float, fp32_bytes: int | None = fp32):
+        stats = PolicyInput(99, 0.01, 0.9, _history([0.01] * 3), int(1000 * chain), fp32_bytes)
+        return policy.decide(stats)
+
+    default = IntermittentPolicy(restore_weight=0.0)
+    assert limit > 1.3
+    assert decide(default, chain=limit - 0.02).base is DiffBase.PREVIOUS
+    assert decide(default, chain=limit + 0.01).kind is Kind.FULL
+    # Without the fp32 size: the floor of 1.2 fulls.
+    assert decide(default, chain=1.25, fp32_bytes=None).kind is Kind.FULL
+    # Lossless fulls (the fp32 checkpoint's size): the floor rules.
+    assert decide(default, chain=1.15, fp32_bytes=1000).base is DiffBase.PREVIOUS
+    assert decide(default, chain=1.25, fp32_bytes=1000).kind is Kind.FULL
+    # max_chain given alone: the old meaning, no fp32 bound.
+    chain_only = IntermittentPolicy(restore_weight=0.0, max_chain=1.5)
+    assert decide(chain_only, chain=1.45).base is DiffBase.PREVIOUS
+    assert decide(chain_only, chain=1.55).kind is Kind.FULL
+    # max_restore_fp32 given alone: no floor, so lossless fulls get no diff.
+    fp32_only = IntermittentPolicy(restore_weight=0.0, max_restore_fp32=0.5)
+    assert decide(fp32_only, chain=2.7).base is DiffBase.PREVIOUS  # 2.71 = 0.5 / 0.18 + 0.01
+    assert decide(fp32_only, chain=1.05, fp32_bytes=1000).kind is Kind.FULL
+    both = IntermittentPolicy(restore_weight=0.0, max_restore_fp32=0.5, max_chain=2.0)
+    assert decide(both, chain=2.05).kind is Kind.FULL
+    with pytest.raises(ConfigError, match="max_restore_fp32 must be a number above 0"):
+        IntermittentPolicy(max_restore_fp32=0)

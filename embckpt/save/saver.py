@@ -251,6 +251,7 @@ class Saver:
                 dirty[View.SINCE_FULL],
                 head.history if head is not None else (),
                 None if head is None else chain_bytes(head),
+                ctx.full_fp32_bytes,
             )
         )
         if self.codec.additive and decision.kind is Kind.DIFF and not state.reference.ready:
