@@ -57,9 +57,12 @@ from embckpt.policy import COST_MAX_CHAIN, COST_MAX_RESTORE_FP32  # noqa: E402
 
 HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits": 4}
 """The README's headline setting; every field it does not name is the library's default."""
-PREVIOUS: dict[str, Any] = {"policy_options": {"max_chain": COST_MAX_CHAIN}}
+PREVIOUS: dict[str, Any] = {
+    "policy_options": {"max_chain": COST_MAX_CHAIN},
+    "optimizer_codec": "raw",
+}
 """The defaults the headline setting had from issue 22 to issue 30, where they differ from
-today's: a restore bound of 1.2 of the last full's bytes."""
+today's: a restore bound of 1.2 of the last full's bytes, lossless optimizer state."""
 SPARSE = 0.05
 """Workloads touching at most this share of their rows per interval: the 40x goal's."""
 SHARES = (0.33, 0.22, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02)

@@ -19,7 +19,7 @@ from torch import nn
 from embckpt import dense
 from embckpt.codecs import Codec, make_codec
 from embckpt.collective import Collective
-from embckpt.config import CheckpointConfig
+from embckpt.config import CheckpointConfig, state_codec_name
 from embckpt.errors import ConfigError
 from embckpt.interval import AdaptiveInterval, IterationClock
 from embckpt.mch import MchTable, watch_evictions
@@ -134,7 +134,7 @@ class Checkpointer:
         self.interval = AdaptiveInterval(config.interval, config.stall_bound)
         self.writer = RowFileWriter(
             save_store,
-            state_codec=make_codec(config.optimizer_codec),
+            state_codec=make_codec(state_codec_name(config)),
             base_codec=make_codec(config.base_codec),
             rank=self.comm.rank,
             row_group_rows=config.row_group_rows,

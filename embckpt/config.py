@@ -66,8 +66,11 @@ class CheckpointConfig:
             keep whole rows. The writer keeps the last full's encoded rows in host memory to
             take changes against. False: diffs hold whole rows, as fulls do.
         optimizer_codec: codec of optimizer state: element-wise always, row-wise too unless
-            lossless (``log8``: one byte per value); lossless ``raw`` by default; additive codecs
-            are refused (a restore copies optimizer state, it never adds to it).
+            lossless (``log8``: one byte per value); additive codecs are refused (a restore
+            copies optimizer state, it never adds to it). ``auto`` (the default) follows the
+            rows: lossless ``raw`` when ``codec`` is lossless (so ``CheckpointConfig()`` keeps
+            ``raw``), ``log8`` when it is lossy, where it wrote 4% to 19% less at no measured
+            AUC cost (README, Measured); :func:`state_codec_name` resolves it.
         base_codec: codec of full checkpoints when ``codec`` is an additive codec (``exponent``):
             deltas need a base to be deltas against.
         row_group_rows: Parquet row-group size; smaller groups make row-range reads finer.
@@ -121,7 +124,7 @@ class CheckpointConfig:
     entropy: str = "auto"
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     diff_deltas: bool = True
-    optimizer_codec: str = "raw"
+    optimizer_codec: str = "auto"
     base_codec: str = "raw"
     row_group_rows: int = 65536
     max_file_rows: int = 1 << 20
@@ -169,11 +172,12 @@ class CheckpointConfig:
         # Names are checked by the registries themselves, so a newly registered policy or
         # codec is accepted and the lists are written once.
         make_policy(self)
-        for name in (self.optimizer_codec, self.base_codec):
+        state_codec = state_codec_name(self)
+        for name in (state_codec, self.base_codec):
             make_codec(name)
-        if make_codec(self.optimizer_codec).additive:  # the one place such codecs are refused
+        if make_codec(state_codec).additive:  # the one place such codecs are refused
             raise ConfigError(
-                f"optimizer_codec {self.optimizer_codec!r} is additive (it encodes changes to "
+                f"optimizer_codec {state_codec!r} is additive (it encodes changes to "
                 "add onto a reference): optimizer state is restored as written, never added "
                 "to; use a lossless codec or 'log8'"
             )
@@ -315,6 +319,14 @@ def load_yaml(path: str | Path, cls: type[_T]) -> _T:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return from_mapping(cls, values, str(path))
+
+
+def state_codec_name(config: CheckpointConfig) -> str:
+    """The optimizer state's codec: ``config.optimizer_codec``, with ``auto`` resolved from the
+    rows' codec (lossless rows keep lossless ``raw`` state, lossy rows take ``log8``)."""
+    if config.optimizer_codec != "auto":
+        return config.optimizer_codec
+    return "raw" if make_codec(config.codec).lossless else "log8"
 
 
 def codec_for(config: CheckpointConfig) -> Codec:

@@ -147,6 +147,7 @@ def test_the_family_spans_the_issue_s_ranges_and_measures_the_defaults() -> None
     assert configs["default"] == headline
     previous = make_policy(configs["previous"])
     assert (previous.max_chain, previous.max_restore_fp32) == (1.2, math.inf)
+    assert configs["previous"].optimizer_codec == "raw"
     assert make_policy(configs["default"]).chain_floor == 1.2
     assert configs["candidate_log8"].optimizer_codec == "log8"
     assert configs["full"].policy == "full"

@@ -18,7 +18,7 @@ from embckpt.codecs import huffman as hm
 from embckpt.codecs.adaptive import AdaptiveCodec, greedy_ranges, range_loss
 from embckpt.codecs.packing import pack_codes, packed_width, unpack_codes
 from embckpt.codecs.uniform import AsymmetricCodec, quantize_affine
-from embckpt.config import CheckpointConfig, codec_for
+from embckpt.config import CheckpointConfig, codec_for, state_codec_name
 from embckpt.errors import CodecError, ConfigError, UnknownCodecError
 
 BITS = (2, 3, 4, 8)
@@ -694,8 +694,12 @@ def test_unknown_version_and_bad_metadata_are_clear_errors() -> None:
 def test_delta_and_lossless_flags() -> None:
     assert make_codec("exponent").additive and not make_codec("asymmetric").additive
     assert make_codec("raw").lossless and not make_codec("fp16").lossless
-    # Row-wise optimizer state stays lossless unless configured otherwise.
-    assert make_codec(CheckpointConfig(codec="kmeans", bits=2).optimizer_codec).lossless
+    # Optimizer state follows the rows by default: lossless rows keep it lossless, quantized
+    # rows take log8; a codec given is the codec.
+    assert state_codec_name(CheckpointConfig()) == "raw"
+    assert state_codec_name(CheckpointConfig(codec="kmeans", bits=2)) == "log8"
+    assert state_codec_name(CheckpointConfig(codec="adaptive", optimizer_codec="raw")) == "raw"
+    assert state_codec_name(CheckpointConfig(codec="fp16")) == "log8"
 
 
 def test_parameter_bytes_per_row() -> None:

@@ -110,7 +110,7 @@ def test_defaults_and_field_names_are_unchanged() -> None:
         ("entropy", "auto"),
         ("codec_options", {}),
         ("diff_deltas", True),
-        ("optimizer_codec", "raw"),
+        ("optimizer_codec", "auto"),
         ("base_codec", "raw"),
         ("row_group_rows", 65536),
         ("max_file_rows", 1 << 20),

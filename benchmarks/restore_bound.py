@@ -1,0 +1,145 @@
+"""Calibrates the default restore bound: how many encoded bytes our restore reads in the time
+``dcp.load`` reads the same model's full fp32 checkpoint.
+
+For each workload of ``--only`` (shapes of ``benchmarks/family.py``), 2 gloo ranks train and
+checkpoint with the headline setting's codecs (adaptive 4-bit, delta diffs) under
+``policy: incremental`` with no forced full: one full, then ``--intervals - 1`` incremental
+diffs, ``every`` steps apart. The final state is also saved with ``dcp.save``. Then, in
+``--repeats`` rounds, every rank restores (into the live model) the checkpoints at chain
+positions ``--points`` and runs ``dcp.load``, in turn, between barriers; a time is the slowest
+rank's, and the best round's counts.
+
+Each restore reads its chain: ``s`` = its bytes over the fp32 checkpoint's (the model's rows
+and optimizer state at fp32). A least-squares line ``t = a + b s`` through the restores gives
+``s_dcp = (t_dcp - a) / b``: the share of the fp32 checkpoint our restore reads in
+``dcp.load``'s time. ``summary.min_s_dcp`` over the workloads is what the default bound
+(``policy.COST_MAX_RESTORE_FP32``) may be at most. Writes ``benchmarks/results/restore_bound.json``.
+
+Run: ``python benchmarks/restore_bound.py [--only NAME] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import build_workload, dcp_save, dcp_state, write_result  # noqa: E402
+from family import FAMILY, HEADLINE, Member  # noqa: E402
+
+from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
+from embckpt.examples.launcher import run_ranks  # noqa: E402
+
+
+def _worker(
+    rank: int, world_size: int, member: Member, root: str, points: list[int], repeats: int
+) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from embckpt import Checkpointer
+
+    cfg = member.demo_config(world_size)
+    config = from_mapping(
+        CheckpointConfig, {**HEADLINE, "policy": "incremental", "full_every": 0}, "calibration"
+    )
+    work = build_workload(rank, world_size, cfg)
+    for _ in range(member.warmup):
+        work.step()
+    steps, chain_bytes, fp32 = [], [], 0
+    with Checkpointer(work.model, f"{root}/ours", optimizer=work.optimizer, config=config) as ck:
+        for interval in range(max(points) + 1):
+            for _ in range(member.every):
+                work.step()
+            step = member.warmup + (interval + 1) * member.every
+            manifest = ck.save(step).wait()
+            assert manifest is not None
+            steps.append(step)
+            chain_bytes.append((chain_bytes[-1] if interval else 0) + manifest.total_bytes)
+            fp32 = manifest.stats["full_fp32_bytes"]
+        dcp_save(dcp_state(work.model, work.optimizer), f"{root}/dcp", threads=2)
+        seconds: dict[str, list[float]] = {str(p): [] for p in points}
+        seconds["dcp_load"] = []
+        for _ in range(repeats):
+            for point in points:
+                dist.barrier()
+                started = time.perf_counter()
+                ck.load(steps[point])
+                dist.barrier()
+                seconds[str(point)].append(time.perf_counter() - started)
+            dist.barrier()
+            started = time.perf_counter()
+            dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp")
+            dist.barrier()
+            seconds["dcp_load"].append(time.perf_counter() - started)
+    return {"seconds": seconds, "chain_bytes": chain_bytes, "fp32": fp32}
+
+
+def calibrate(member: Member, points: list[int], repeats: int) -> dict[str, Any]:
+    """One workload's restores along its chain, ``dcp.load``, and the fitted ``s_dcp``."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_ranks(_worker, 2, member, root, points, repeats, timeout_s=3600)
+    seconds = {
+        name: np.max([r["seconds"][name] for r in ranks], axis=0).tolist()
+        for name in ranks[0]["seconds"]
+    }
+    fp32 = ranks[0]["fp32"]
+    shares = [ranks[0]["chain_bytes"][p] / fp32 for p in points]
+    best = [min(seconds[str(p)]) for p in points]
+    slope, intercept = np.polyfit(shares, best, 1)
+    dcp_best = min(seconds["dcp_load"])
+    row = {
+        "workload": member.name,
+        "total_rows": sum(member.cardinalities()),
+        "dim": member.dim,
+        "full_fp32_bytes": fp32,
+        "points": points,
+        "chain_share_of_fp32": shares,
+        "restore_s_best": best,
+        "dcp_load_s_best": dcp_best,
+        "fit_intercept_s": float(intercept),
+        "fit_s_per_fp32_share": float(slope),
+        "s_dcp": float((dcp_best - intercept) / slope) if slope > 0 else None,
+        "seconds": seconds,
+        "runtime_s": time.perf_counter() - started,
+    }
+    print(
+        f"{member.name:>15}: chain shares {[round(s, 3) for s in shares]} restore "
+        f"{[round(t, 3) for t in best]} s, dcp.load {dcp_best:.3f} s -> s_dcp "
+        f"{row['s_dcp'] if row['s_dcp'] is None else round(row['s_dcp'], 3)}",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    names = [m.name for m in FAMILY]
+    parser.add_argument("--only", action="append", choices=names, default=[])
+    parser.add_argument("--points", default="0,4,9,14", help="chain positions restored")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (the best counts)")
+    args = parser.parse_args()
+    points = [int(p) for p in args.points.split(",")]
+    chosen = args.only or ["zipf1.0_dim32", "zipf1.4_dim64", "rows10M_dim16"]
+    members = [dataclasses.replace(m, intervals=max(points) + 1) for m in FAMILY]
+    results = [calibrate(m, points, args.repeats) for m in members if m.name in chosen]
+    found = [r["s_dcp"] for r in results if r["s_dcp"] is not None]
+    summary = {"min_s_dcp": min(found) if found else None, "s_dcp": found}
+    path = write_result(
+        "restore_bound", {"args": vars(args), "results": results, "summary": summary}
+    )
+    print(summary)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
