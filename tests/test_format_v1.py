@@ -38,6 +38,7 @@ RUNS: dict[str, tuple[dict[str, Any], int]] = {
             "bits": 4,
             "entropy": "huffman",
             "diff_deltas": False,
+            "optimizer_codec": "raw",  # the fixture's: lossless state was the default then
         },
         15,
     ),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from embckpt.codecs.base import EncodedRows, register
@@ -70,7 +71,28 @@ class RawCodec(StagedCodec):
         column = encoded.columns[PAYLOAD]
         if is_float_list(column):
             return float_list_rows(column, num_cols).to(dtype)
+        view = self.decode_view(encoded, num_cols)
+        if view is not None:
+            return torch.from_numpy(view.copy())
         itemsize = torch.empty(0, dtype=dtype).element_size()
         data = self._payload_bytes(encoded, num_cols * itemsize)
         rows = torch.from_numpy(data.copy()).view(dtype)
         return rows.reshape(data.shape[0], num_cols)
+
+    def decode_view(self, encoded: EncodedRows, num_cols: int) -> np.ndarray | None:
+        """The rows [n, num_cols] as a read-only view of the batch's own bytes, no copy: for a
+        reader that copies them into place anyway (a restore's apply), which a copy here would
+        double. None where they need decoding (float lists, Huffman) or numpy lacks their
+        dtype (bfloat16)."""
+        dtype = dtype_from_name(str(encoded.metadata.get("dtype", "float32")))
+        if (
+            dtype == torch.bfloat16
+            or encoded.metadata.get("entropy") == "huffman"
+            or is_float_list(encoded.columns[PAYLOAD])
+        ):
+            return None
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        data = self._payload_bytes(encoded, num_cols * itemsize)
+        view = data.view(torch.empty(0, dtype=dtype).numpy().dtype)
+        view.flags.writeable = False  # the batch's bytes: never written through
+        return view

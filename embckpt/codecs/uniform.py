@@ -207,10 +207,17 @@ def quantize_half(
 
 
 def dequantize_fused(
-    fused: np.ndarray, bits: int, cols: int, dtype: type, bias: np.ndarray | None = None
+    fused: np.ndarray,
+    bits: int,
+    cols: int,
+    dtype: type,
+    bias: np.ndarray | None = None,
+    out: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Decodes fused rows [n, w + p] (codes, ``scale``, then ``bias``, both of ``dtype``); with
-    ``bias`` given (one per row), the rows hold no bias of their own.
+    ``bias`` given (one per row), the rows hold no bias of their own. ``out`` (float32
+    [n, cols], C-contiguous; only while ``COMPILED``) receives the rows: a restore decodes
+    into the model's own rows instead of copying them there.
 
     The compiled kernel decodes when on; otherwise fp16 parameters on FBGEMM-sized rows decode
     through FBGEMM, the rest through torch. Both in float64 for fp32 parameters, so that huge
@@ -225,7 +232,10 @@ def dequantize_fused(
     if COMPILED:
         from embckpt.codecs import kernels
 
-        out = np.empty((n, cols), dtype=np.float32)
+        if out is None:
+            out = np.empty((n, cols), dtype=np.float32)
+        elif out.shape != (n, cols):  # the kernel does not check its bounds
+            raise CodecError(f"{n} rows of {cols} decode into an array of {out.shape}")
         packed = np.ascontiguousarray(fused).view()
         packed.flags.writeable = False  # one compiled signature for Arrow's read-only buffers
         kernels.dequantize(
@@ -351,6 +361,23 @@ class UniformCodec(StagedCodec):
         return torch.cat([codes, scale.view(torch.uint8)], dim=1)
 
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
+        return self._decode(encoded, num_cols, None)
+
+    def decode_into(self, encoded: EncodedRows, num_cols: int, out: np.ndarray) -> bool:
+        """Decodes straight into ``out`` (float32 [n, num_cols], C-contiguous: rows of a block
+        a restore would copy the decoded rows into); False, with ``out`` untouched, where only
+        :meth:`decode` can (the compiled kernels off)."""
+        if (
+            not COMPILED
+            or type(self).decode is not UniformCodec.decode  # a subclass decoding otherwise
+            or out.dtype != np.float32
+            or not out.flags.c_contiguous
+        ):
+            return False
+        self._decode(encoded, num_cols, out)
+        return True
+
+    def _decode(self, encoded: EncodedRows, num_cols: int, out: np.ndarray | None) -> torch.Tensor:
         dtype = {"float16": np.float16, "float32": np.float32}.get(
             str(encoded.metadata.get("param_dtype", "float16"))
         )
@@ -359,12 +386,12 @@ class UniformCodec(StagedCodec):
         width = packed_width(num_cols, self.bits)
         fused = self._payload_bytes(encoded, width + self._param_bytes(dtype == np.float16))
         if self.bias_stored:
-            return dequantize_fused(fused, self.bits, num_cols, dtype)
+            return dequantize_fused(fused, self.bits, num_cols, dtype, out=out)
         scale = np.ascontiguousarray(fused[:, width:]).view(dtype)[:, 0]
         # The symmetric grid's offset is a power-of-two multiple of its scale: exact in the
         # parameters' own dtype, so the fused decode (FBGEMM's) applies unchanged.
         bias = -np.float64(1 << (self.bits - 1)) * scale.astype(np.float64)
-        return dequantize_fused(fused, self.bits, num_cols, dtype, bias=bias)
+        return dequantize_fused(fused, self.bits, num_cols, dtype, bias=bias, out=out)
 
 
 def _join(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

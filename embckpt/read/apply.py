@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from embckpt.codecs.raw import RawCodec
+from embckpt.codecs.uniform import UniformCodec
 from embckpt.read.plan import Keep, plan_reads
 from embckpt.read.pool import worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
@@ -162,7 +164,7 @@ def _apply_file(
             ):
                 clock.add("decode", time.perf_counter() - started)
                 continue
-            decoded = _Decoded.of(staged, batch)
+            decoded = _Decoded.of(staged, batch, _whole_run(staged, batch, keeps, overlaps))
             clock.add("decode", time.perf_counter() - started)
             started = time.perf_counter()
             for shard, keep, overlap in zip(read.targets, keeps, overlaps, strict=True):
@@ -178,20 +180,59 @@ def _apply_file(
 
 @dataclass(frozen=True)
 class _Decoded:
-    """One batch's weights, element-wise and row-wise states, decoded."""
+    """One batch's weights, element-wise and row-wise states, decoded, each written once into
+    the block: raw weights stay a read-only view of the batch's bytes
+    (``RawCodec.decode_view``) that ``_put`` copies; quantized ones that fill a run of the
+    block whole are decoded straight into it (``weights`` None: already written)."""
 
-    weights: torch.Tensor
+    weights: torch.Tensor | np.ndarray | None
     elem_states: dict[str, torch.Tensor]
     row_states: dict[str, np.ndarray]
 
     @classmethod
-    def of(cls, staged: StagedFile, batch: RowBatch) -> _Decoded:
+    def of(cls, staged: StagedFile, batch: RowBatch, into: np.ndarray | None) -> _Decoded:
         cols = staged.read.entry.shard_cols
+        codec = staged.codec
+        weights: torch.Tensor | np.ndarray | None = None
+        written = False
+        if isinstance(codec, UniformCodec) and into is not None:
+            written = codec.decode_into(batch.encoded, cols, into)
+        elif isinstance(codec, RawCodec):
+            weights = codec.decode_view(batch.encoded, cols)
+        if weights is None and not written:
+            weights = codec.decode(batch.encoded, cols)
         return cls(
-            staged.codec.decode(batch.encoded, cols),
+            weights,
             {n: staged.state_codec.decode(e, cols) for n, e in batch.elem_states.items()},
             row_state_values(batch, staged.state_codec),
         )
+
+
+def _whole_run(
+    staged: StagedFile, batch: RowBatch, keeps: Sequence[Keep], overlaps: Sequence[_Overlap | None]
+) -> np.ndarray | None:
+    """The rows of the one block a batch's weights fill whole, as one contiguous run, all
+    columns, replacing what is there (a full's rows): where they can be decoded in place."""
+    entry, n = staged.read.entry, len(batch.rows)
+    overlap = overlaps[0] if len(keeps) == 1 else None
+    if overlap is None or overlap.in_batch != slice(0, n) or staged.codec.additive:
+        return None
+    shard, (segment, *more) = staged.read.targets[0], keeps[0].segments
+    weight = shard.weight
+    if (
+        more
+        or segment[2] is not None  # a mask: some rows are newer elsewhere
+        or segment[:2] != (shard.col_offset, shard.col_offset + shard.num_cols)
+        or (entry.col_offset, entry.shard_cols) != (shard.col_offset, shard.num_cols)
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not weight.is_contiguous()
+    ):
+        return None
+    first = int(batch.rows[0]) - shard.row_offset
+    if int(batch.rows[-1]) - shard.row_offset - first + 1 != n:
+        return None
+    return _numpy(weight)[first : first + n]
 
 
 def _write_cells(
@@ -218,8 +259,9 @@ def _write_cells(
             staged.read.from_diff,
         )
         in_file = slice(col_lo - entry.col_offset, col_hi - entry.col_offset)
-        values = _take(decoded.weights, overlap.in_batch, kept)[:, in_file]
-        _put(rows, values, shard.weight, staged.codec.additive)
+        if decoded.weights is not None:  # else decoded in place (_whole_run)
+            values = _take(decoded.weights, overlap.in_batch, kept)[:, in_file]
+            _put(rows, values, shard.weight, staged.codec.additive)
         for name, state in decoded.elem_states.items():
             if name in shard.elem_states:
                 values = _take(state, overlap.in_batch, kept)[:, in_file]
@@ -266,10 +308,12 @@ def _any_kept(keep: Keep, rows: slice) -> bool:
     return any(mask is None or mask[rows].any() for _, _, mask in keep.segments)
 
 
-def _take(values: torch.Tensor, rows: slice, mask: np.ndarray | None) -> torch.Tensor:
+def _take(
+    values: torch.Tensor | np.ndarray, rows: slice, mask: np.ndarray | None
+) -> torch.Tensor | np.ndarray:
     span = values[rows]
-    if mask is None:
-        return span
+    if mask is None or isinstance(span, np.ndarray):
+        return span if mask is None else span[mask]
     if span.device.type == "cpu":  # numpy: no intra-op threads (module doc)
         return torch.from_numpy(_numpy(span)[mask]).view(span.dtype)
     return span[torch.from_numpy(mask).to(span.device)]
@@ -282,9 +326,11 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-def _put(written: WrittenRows, values: torch.Tensor, dest: torch.Tensor, add: bool) -> None:
+def _put(
+    written: WrittenRows, values: torch.Tensor | np.ndarray, dest: torch.Tensor, add: bool
+) -> None:
     """Writes (or adds) ``values`` at the rows and columns ``written`` names in ``dest`` (a
-    block's tensor).
+    block's tensor); numpy ``values`` are a read-only view (``_Decoded``), copied here.
 
     Copies into CPU blocks go through numpy (one thread, the GIL released); see the module doc.
     """
@@ -292,14 +338,23 @@ def _put(written: WrittenRows, values: torch.Tensor, dest: torch.Tensor, add: bo
     rows = written.local_rows
     first, count = int(rows[0]), len(rows)
     target = dest[:, lo:hi]
-    values = values.to(dest.dtype)
     run = int(rows[-1]) - first + 1 == count  # a contiguous run (full checkpoints)
-    if not add and dest.device.type == "cpu":
-        out, src = _numpy(target), _numpy(values)
+    cpu_copy = not add and dest.device.type == "cpu"
+    if isinstance(values, np.ndarray):
+        if cpu_copy and values.dtype == _numpy(target).dtype:
+            _copy_rows(_numpy(target), values, rows, run)
+            return
+        values = torch.from_numpy(np.array(values))
+    values = values.to(dest.dtype)
+    if cpu_copy:
+        _copy_rows(_numpy(target), _numpy(values), rows, run)
+        return
+    if dest.device.type == "cpu" and dest.dtype in (torch.float32, torch.float64):
+        out, src = _numpy(target), _numpy(values)  # add: the same float additions as torch's
         if run:
-            np.copyto(out[first : first + count], src)
+            out[first : first + count] += src
         else:
-            out[rows.numpy()] = src
+            out[rows.numpy()] += src  # rows are unique: each added once
         return
     values = values.to(dest.device)
     if run:
@@ -312,6 +367,15 @@ def _put(written: WrittenRows, values: torch.Tensor, dest: torch.Tensor, add: bo
         target.index_add_(0, rows.to(dest.device), values)
     else:
         target.index_copy_(0, rows.to(dest.device), values)
+
+
+def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:
+    """``out[rows] = src``: one contiguous copy for a run of rows."""
+    if run:
+        first = int(rows[0])
+        np.copyto(out[first : first + len(rows)], src)
+    else:
+        out[rows.numpy()] = src
 
 
 def _apply_row_states(found: Sequence[_RowStateRows]) -> None:

@@ -2,7 +2,9 @@
 
 Checkpoint by checkpoint, newest first, worker threads fetch the footer and the planned row
 groups of each file (``CheckpointStore.open_rows``: local files are memory-mapped, nothing is
-copied) and verify every fetched byte against the manifest's checksums. Staging also checks
+copied) and verify every fetched byte against the manifest's checksums. A packed file is
+fetched once for all the blocks this rank takes from it (:func:`stage_blocks`): a chain's
+diffs are many such small files, whose fixed costs a fetch per block multiplied. Staging also checks
 that the file's codecs are known and decodes its row ids, so what a decode could still reject
 (an unknown codec, a file that does not parse) is found here, before any rank writes a row.
 Between checkpoints, :class:`~embckpt.read.plan.Coverage` prunes the older checkpoints' row
@@ -13,7 +15,8 @@ files only the mapping: their page-cache reads happen while verifying), ``verify
 and parsing the footer, ``decode`` the row ids.
 
 Staging keeps memory at the encoded bytes of the fetched row groups (none for local files)
-rather than a decoded copy of every row. Committed files are immutable: rewriting one in
+rather than a decoded copy of every row; only small files (``rowfile_ranges.SMALL_BYTES``)
+keep their rows read, once for all their blocks. Committed files are immutable: rewriting one in
 place during a read is outside the contract.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,7 @@ from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
 from embckpt.read.pool import worker_pool
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.manifest import FileEntry, RowGroupEntry
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 from embckpt.storage.rowfile_read import CheckedFile
 
@@ -114,8 +118,85 @@ def stage_file(
         UnknownCodecError: the file's codec is not one this reader knows.
     """
     clock = clock or PhaseClock(RESTORE_PHASES)
+    checked = store.open_rows(read.step, read.entry, read.groups, clock)
+    staged = _staged(read, checked, clock)
+    cost = ReadCost(files=1, bytes_read=checked.bytes_read)
+    cost.row_groups = len(read.groups) if read.groups is not None else 0
+    return staged, cost
+
+
+def stage_blocks(
+    store: CheckpointStore, reads: Sequence[FileRead], clock: PhaseClock | None = None
+) -> tuple[list[StagedFile], ReadCost]:
+    """:func:`stage_file` for blocks of one packed file (``reads``, of one checkpoint), from
+    one fetch: the footer fetched, checked and parsed once, each row group once, and a small
+    file's rows read once for all its blocks (``CheckedFile.blocks``)."""
+    if len(reads) == 1:
+        one, cost = stage_file(store, reads[0], clock)
+        return [one], cost
+    clock = clock or PhaseClock(RESTORE_PHASES)
+    entry, groups = _one_fetch(reads)
+    checked = store.open_rows(reads[0].step, entry, groups, clock)
+    try:
+        views = checked.blocks([(read.entry.block, _parquet_groups(read)) for read in reads])
+    finally:
+        checked.close()  # the views hold the fetched bytes
+    staged: list[StagedFile] = []
+    try:
+        for read, view in zip(reads, views, strict=True):
+            staged.append(_staged(read, view, clock))
+    except BaseException:
+        for view in views:  # closing twice is harmless
+            view.close()
+        raise
+    return staged, ReadCost(files=1, row_groups=len(groups), bytes_read=checked.bytes_read)
+
+
+def _by_file(reads: Sequence[FileRead]) -> list[list[FileRead]]:
+    """``reads`` (of one checkpoint) grouped by file: the indexed blocks of one packed file
+    together, every other read alone."""
+    grouped: dict[object, list[FileRead]] = {}
+    for read in reads:
+        packed = read.entry.block is not None and read.entry.partial_index is not None
+        key = read.entry.path if packed and read.groups is not None else id(read)
+        grouped.setdefault(key, []).append(read)
+    return list(grouped.values())
+
+
+def _parquet_groups(read: FileRead) -> list[int]:
+    index = read.entry.partial_index
+    assert index is not None and read.groups is not None  # packed and indexed (_by_file)
+    return [index.first_group + g for g in read.groups]
+
+
+def _one_fetch(reads: Sequence[FileRead]) -> tuple[FileEntry, list[int]]:
+    """An entry whose index spans the row groups of every block ``reads`` take from one
+    packed file, and the positions in it to fetch. The blocks between them that no read takes
+    keep their places with an empty entry: never fetched, so never checked against it."""
+    indexes = [r.entry.partial_index for r in reads]
+    assert all(i is not None for i in indexes)  # packed and indexed (_by_file)
+    first = min(i.first_group for i in indexes if i is not None)
+    end = max(i.first_group + len(i.row_groups) for i in indexes if i is not None)
+    slots: list[RowGroupEntry] = [_NOT_READ] * (end - first)
+    for index in indexes:
+        if index is not None:
+            start = index.first_group - first
+            slots[start : start + len(index.row_groups)] = index.row_groups
+    groups = sorted(g - first for read in reads for g in _parquet_groups(read))
+    entry = reads[0].entry
+    assert entry.index is not None
+    return replace(
+        entry, index=replace(entry.index, first_group=first, row_groups=tuple(slots))
+    ), groups
+
+
+_NOT_READ = RowGroupEntry(first_row=0, last_row=-1, rows=0, offset=0, length=0, checksum="")
+
+
+def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFile:
+    """A staged file from its checked bytes (closed on failure): its codecs known and its
+    row ids read, which proves the file parses."""
     entry = read.entry
-    checked = store.open_rows(read.step, entry, read.groups, clock)
     index = entry.partial_index
     if read.groups is None or index is None:
         row_bytes = np.full(entry.rows, entry.bytes / max(entry.rows, 1))
@@ -139,9 +220,7 @@ def stage_file(
     except BaseException:
         checked.close()
         raise
-    cost = ReadCost(files=1, bytes_read=checked.bytes_read)
-    cost.row_groups = len(read.groups) if read.groups is not None else 0
-    return StagedFile(read, checked, codec, state_codec, rows, row_bytes), cost
+    return StagedFile(read, checked, codec, state_codec, rows, row_bytes)
 
 
 def stage(
@@ -170,22 +249,22 @@ def stage(
                 with clock.time("plan"):
                     pruned = [coverage.prune(r) for r in reads if r.position == position]
                 todo = [r for r in pruned if r is not None]
-                futures = [pool.submit(stage_file, store, read, clock) for read in todo]
+                futures = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)]
                 try:
                     for future in concurrent.futures.as_completed(futures):
                         staged, file_cost = future.result()
-                        by_position[position].append(staged)
+                        by_position[position].extend(staged)
                         cost.add(file_cost)
                         if bar is not None:
-                            bar.update(staged.read.planned_bytes)
+                            bar.update(sum(s.read.planned_bytes for s in staged))
                 except BaseException:
                     for future in futures:
                         future.cancel()
                     for future in futures:  # the ones already running: closed below
                         if not future.cancelled() and future.exception() is None:
-                            staged = future.result()[0]
-                            if staged not in by_position[position]:
-                                by_position[position].append(staged)
+                            for staged_file in future.result()[0]:
+                                if staged_file not in by_position[position]:
+                                    by_position[position].append(staged_file)
                     raise
                 with clock.time("plan"):
                     files = sorted(by_position[position], key=lambda f: f.read.entry.path)

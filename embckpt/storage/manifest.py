@@ -302,10 +302,10 @@ class Manifest:
             )
         except (TypeError, KeyError) as exc:
             raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
-        for entry in manifest.files:
-            problem = path_problem(entry.path)
+        for name in dict.fromkeys(f.path for f in manifest.files):  # blocks share a path
+            problem = path_problem(name)
             if problem is not None:
-                raise CheckpointCorruptError(path, f"file entry {entry.path!r}: {problem}")
+                raise CheckpointCorruptError(path, f"file entry {name!r}: {problem}")
         twice = manifest.repeated_paths()
         if twice:
             raise CheckpointCorruptError(
@@ -359,10 +359,11 @@ def _legacy(body: Mapping[str, Any], key: str, old_key: str) -> Any:
     return body[key] if key in body else body[old_key]
 
 
-def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> dict[str, Any]:
-    """``body`` with ``old_key`` (a format-1 SHA-256 field) spelled ``key``."""
+def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> Mapping[str, Any]:
+    """``body`` with ``old_key`` (a format-1 SHA-256 field) spelled ``key`` (``body`` itself,
+    not a copy, when it has no ``old_key``: callers only read it)."""
     if old_key not in body:
-        return dict(body)
+        return body
     renamed = {k: v for k, v in body.items() if k != old_key}
     renamed[key] = body[old_key]
     return renamed

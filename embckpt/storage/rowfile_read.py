@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,19 +32,9 @@ from embckpt.storage.rowfile import (
     ROW_COLUMN,
     STATE_PREFIX,
 )
+from embckpt.storage.rowfile_ranges import PARSE_ERRORS, FetchedFile, RangeSource
 
 BATCH_BYTES = 8 << 20  # bytes of row groups decoded at a time (at least one row group)
-_PARSE_ERRORS = (pa.ArrowException, OSError, KeyError, TypeError, ValueError)
-
-
-class RangeSource(Protocol):
-    """An open file to fetch byte ranges from (a ``pyarrow`` file or memory map)."""
-
-    def seek(self, position: int) -> int: ...
-
-    def read_buffer(self, nbytes: int) -> pa.Buffer: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +77,7 @@ def decode_file(data: pa.Buffer, path: str, row_lo: int, row_hi: int) -> RowBatc
             pa.BufferReader(data),
             filters=[(ROW_COLUMN, ">=", row_lo), (ROW_COLUMN, "<", row_hi)],
         )
-    except _PARSE_ERRORS as exc:
+    except PARSE_ERRORS as exc:
         raise CheckpointCorruptError(path, f"not a readable embckpt Parquet file: {exc}") from exc
     return _row_batch(table, header)
 
@@ -97,7 +87,8 @@ class CheckedFile:
 
     Call order: ``CheckpointStore.open_rows`` -> ``row_ids`` (the row column only: cheap) ->
     ``read`` (every column) -> ``close``. Parquet reads only the checked ranges; a read
-    outside them raises.
+    outside them raises. :meth:`blocks` gives other blocks of the same packed file from the
+    same fetch.
 
     Attributes:
         header: the file's own metadata (codec configs, the block's place and shape); in a
@@ -117,23 +108,64 @@ class CheckedFile:
         source: RangeSource | None = None,
         block: int | None = None,
     ) -> None:
-        self.path = path
+        self._init(
+            FetchedFile(path, size, footer, segments, groups, source), groups, bytes_read, block
+        )
+
+    def _init(
+        self, fetched: FetchedFile, groups: Sequence[int], bytes_read: int, block: int | None
+    ) -> None:
+        self.path = fetched.path
         self.groups = list(groups)
         self.bytes_read = bytes_read
-        self._size = size
-        self._footer = footer  # the Parquet footer, parsed
-        self._segments = segments
-        self._source = source
+        self._fetched = fetched
+        self._closed = False
+        fetched.use()
+        header = fetched.header
         try:
-            header = json.loads(footer.schema.to_arrow_schema().metadata[HEADER_KEY])
             if (BLOCKS_KEY in header) != (block is not None):
                 raise ValueError(
                     f"the manifest says block {block}, the file is "
                     + ("packed" if BLOCKS_KEY in header else "not packed")
                 )
             self.header: Mapping[str, Any] = header if block is None else header[BLOCKS_KEY][block]
-        except _PARSE_ERRORS as exc:
-            raise CheckpointCorruptError(path, f"not an embckpt Parquet file: {exc}") from exc
+        except PARSE_ERRORS as exc:
+            fetched.release()
+            raise CheckpointCorruptError(
+                fetched.path, f"not an embckpt Parquet file: {exc}"
+            ) from exc
+
+    def blocks(self, wanted: Sequence[tuple[int | None, Sequence[int]]]) -> list[CheckedFile]:
+        """Blocks ``(block, Parquet row groups)`` of this packed file, each read from this
+        file's checked ranges (the groups must be among ``groups``); this file's own header
+        and groups are those of the first block fetched, which the caller closes like them."""
+        checked, views = set(self.groups), []
+        try:
+            for block, groups in wanted:
+                if not checked.issuperset(groups):
+                    raise ValueError(f"{self.path}: row groups {list(groups)} were not fetched")
+                views.append(CheckedFile.__new__(CheckedFile))
+                views[-1]._init(self._fetched, groups, 0, block)
+        except BaseException:
+            for view in views[:-1]:  # the last one failed to open: released already
+                view.close()
+            raise
+        return views
+
+    def _read(self, groups: Sequence[int], columns: list[str] | None = None) -> pa.Table:
+        """Row groups ``groups`` (the ``columns`` of them), raising CheckpointCorruptError
+        where the checked bytes do not parse."""
+        fetched = self._fetched
+        try:
+            if not fetched.small():
+                parquet = fetched.parquet()
+                return parquet.read_row_groups(groups, columns=columns, use_threads=False)
+            table = fetched.rows_of(groups)
+            return table if columns is None else table.select(columns)
+        except PARSE_ERRORS as exc:
+            raise CheckpointCorruptError(
+                self.path, f"not a readable embckpt Parquet file: {exc}"
+            ) from exc
 
     def row_ids(self) -> np.ndarray:
         """The global row ids stored in the checked row groups, ascending.
@@ -141,15 +173,7 @@ class CheckedFile:
         Raises:
             CheckpointCorruptError: the checked bytes do not parse.
         """
-        try:
-            table = self._parquet().read_row_groups(
-                self.groups, columns=[ROW_COLUMN], use_threads=False
-            )
-            return table[ROW_COLUMN].to_numpy()
-        except _PARSE_ERRORS as exc:
-            raise CheckpointCorruptError(
-                self.path, f"not a readable embckpt Parquet file: {exc}"
-            ) from exc
+        return self._read(self.groups, [ROW_COLUMN])[ROW_COLUMN].to_numpy()
 
     def read(self, row_lo: int, row_hi: int) -> Iterator[RowBatch]:
         """The rows with global id in [row_lo, row_hi), ascending, in batches of a few row
@@ -160,25 +184,24 @@ class CheckedFile:
         Raises:
             CheckpointCorruptError: the checked bytes do not parse.
         """
-        runs: list[list[int]] = []
+        runs: list[list[int]] = [self.groups] if self._fetched.small() else []
         size = BATCH_BYTES
-        for g in self.groups:
-            group_bytes = self._footer.row_group(g).total_byte_size
+        footer = self._fetched.footer
+        for g in self.groups if not runs else ():
+            group_bytes = footer.row_group(g).total_byte_size
             if size + group_bytes > BATCH_BYTES:
                 runs.append([])
                 size = 0
             runs[-1].append(g)
             size += group_bytes
-        parquet = self._parquet()
         try:
             for run in runs:
-                table = parquet.read_row_groups(run, use_threads=False)
-                for batch in table.to_batches():
+                for batch in self._read(run).to_batches():
                     ids = batch[ROW_COLUMN].to_numpy()
                     lo, hi = np.searchsorted(ids, [row_lo, row_hi])
                     if hi > lo:
                         yield _row_batch(batch.slice(lo, hi - lo), self.header)
-        except _PARSE_ERRORS as exc:
+        except PARSE_ERRORS as exc:
             raise CheckpointCorruptError(
                 self.path, f"not a readable embckpt Parquet file: {exc}"
             ) from exc
@@ -189,20 +212,14 @@ class CheckedFile:
         Raises:
             CheckpointCorruptError: the checked bytes do not parse.
         """
-        try:
-            table = self._parquet().read_row_groups(self.groups, use_threads=False)
-        except _PARSE_ERRORS as exc:
-            raise CheckpointCorruptError(
-                self.path, f"not a readable embckpt Parquet file: {exc}"
-            ) from exc
-        return _row_batch(table, self.header)
+        return _row_batch(self._read(self.groups), self.header)
 
     def compression(self) -> dict[str, str]:
         """The Parquet compression each column of the checked row groups was written with
         (``none`` for uncompressed), keyed by column name (a float list by its own name)."""
         if not self.groups:
             return {}
-        group = self._footer.row_group(self.groups[0])
+        group = self._fetched.footer.row_group(self.groups[0])
         found = {}
         for i in range(group.num_columns):
             codec = group.column(i).compression.lower()
@@ -211,14 +228,9 @@ class CheckedFile:
         return found
 
     def close(self) -> None:
-        self._segments = []
-        if self._source is not None:
-            self._source.close()
-            self._source = None
-
-    def _parquet(self) -> pq.ParquetFile:
-        source = pa.PythonFile(_VerifiedRanges(self._size, self._segments, self.path), "r")
-        return pq.ParquetFile(source, metadata=self._footer, pre_buffer=False)
+        if not self._closed:
+            self._closed = True
+            self._fetched.release()
 
 
 def open_ranges(
@@ -381,48 +393,3 @@ def _runs(groups: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([g])
     return runs
-
-
-class _VerifiedRanges:
-    """A read-only file object over the verified byte ranges of one file.
-
-    Parquet reads through it; a read that leaves the verified ranges raises instead of
-    reaching unchecked bytes.
-    """
-
-    def __init__(self, size: int, segments: list[tuple[int, pa.Buffer]], path: str) -> None:
-        self._size = size
-        self._segments = segments
-        self._path = path
-        self._pos = 0
-        self.closed = False
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = (0, self._pos, self._size)[whence]
-        self._pos = base + pos
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> memoryview:
-        if n is None or n < 0:
-            n = self._size - self._pos
-        for offset, data in self._segments:
-            if offset <= self._pos and self._pos + n <= offset + data.size:
-                start = self._pos - offset
-                self._pos += n
-                return memoryview(data)[start : start + n]
-        raise OSError(f"{self._path}: read of bytes {self._pos}+{n} outside the verified ranges")
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        self.closed = True

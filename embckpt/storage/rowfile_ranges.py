@@ -1,0 +1,151 @@
+"""The checked byte ranges of one rows file, as the blocks read from it share them.
+
+``rowfile_read.CheckedFile`` reads a block through a :class:`FetchedFile`: the footer and row
+groups fetched once and checked against the manifest, served to Parquet by
+:class:`VerifiedRanges`, which refuses any read outside them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.rowfile import HEADER_KEY
+
+SMALL_BYTES = 1 << 20  # row groups of a file read once, all columns, for all its blocks
+PARSE_ERRORS = (pa.ArrowException, OSError, KeyError, TypeError, ValueError)
+
+
+class RangeSource(Protocol):
+    """An open file to fetch byte ranges from (a ``pyarrow`` file or memory map)."""
+
+    def seek(self, position: int) -> int: ...
+
+    def read_buffer(self, nbytes: int) -> pa.Buffer: ...
+
+    def close(self) -> None: ...
+
+
+class FetchedFile:
+    """The checked ranges of one file, its parsed footer and header, shared by the
+    ``rowfile_read.CheckedFile`` of each block a reader takes from it (one fetch and one
+    footer parse per file, whatever the blocks); the source closes with the last of them.
+
+    A file whose checked row groups are small (``SMALL_BYTES``: a diff's) is decoded by one
+    Parquet read, of every column, kept for all its blocks: reading the row ids, then the rows,
+    block by block, cost a footer walk and a read each.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        footer: pq.FileMetaData,
+        segments: list[tuple[int, pa.Buffer]],
+        groups: Sequence[int],
+        source: RangeSource | None,
+    ) -> None:
+        self.path, self.size, self.footer = path, size, footer
+        self.segments, self.source = segments, source
+        self.groups = list(groups)  # every checked row group, ascending (Parquet's numbers)
+        self.users = 0
+        self._lock = threading.Lock()
+        self._table: pa.Table | None = None
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._small: bool | None = None
+        try:
+            self.header = json.loads(footer.schema.to_arrow_schema().metadata[HEADER_KEY])
+        except PARSE_ERRORS as exc:
+            raise CheckpointCorruptError(path, f"not an embckpt Parquet file: {exc}") from exc
+
+    def parquet(self) -> pq.ParquetFile:
+        source = pa.PythonFile(VerifiedRanges(self.size, self.segments, self.path), "r")
+        return pq.ParquetFile(source, metadata=self.footer, pre_buffer=False)
+
+    def small(self) -> bool:
+        if self._small is None:
+            size = sum(self.footer.row_group(g).total_byte_size for g in self.groups)
+            self._small = size <= SMALL_BYTES
+        return self._small
+
+    def rows_of(self, groups: Sequence[int]) -> pa.Table:
+        """Every column of row groups ``groups`` (checked ones) of a small file, one chunk
+        each, from the one read of all of them."""
+        with self._lock:  # blocks of one file may be applied on several threads
+            if self._table is None:
+                read = self.parquet().read_row_groups(self.groups, use_threads=False)
+                self._table = read.combine_chunks()
+                counts = [self.footer.row_group(g).num_rows for g in self.groups]
+                starts = np.cumsum([0, *counts]).tolist()
+                self._spans = {g: (starts[i], starts[i + 1]) for i, g in enumerate(self.groups)}
+            table, spans = self._table, [self._spans[g] for g in groups]
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            return table.slice(spans[0][0], spans[-1][1] - spans[0][0]) if spans else table[:0]
+        return pa.concat_tables([table.slice(lo, hi - lo) for lo, hi in spans]).combine_chunks()
+
+    def use(self) -> None:
+        with self._lock:
+            self.users += 1
+
+    def release(self) -> None:
+        """One user fewer; the last one closes the source (blocks apply on several threads)."""
+        with self._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            source, self.source = self.source, None
+            self.segments, self._table = [], None
+        if source is not None:
+            source.close()
+
+
+class VerifiedRanges:
+    """A read-only file object over the verified byte ranges of one file.
+
+    Parquet reads through it; a read that leaves the verified ranges raises instead of
+    reaching unchecked bytes.
+    """
+
+    def __init__(self, size: int, segments: list[tuple[int, pa.Buffer]], path: str) -> None:
+        self._size = size
+        self._segments = segments
+        self._path = path
+        self._pos = 0
+        self.closed = False
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> memoryview:
+        if n is None or n < 0:
+            n = self._size - self._pos
+        for offset, data in self._segments:
+            if offset <= self._pos and self._pos + n <= offset + data.size:
+                start = self._pos - offset
+                self._pos += n
+                return memoryview(data)[start : start + n]
+        raise OSError(f"{self._path}: read of bytes {self._pos}+{n} outside the verified ranges")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,107 @@
+"""A chain restore reads each rows file once: one fetch (footer checked and parsed once, each
+row group checked once) for every block it serves, one Parquet read of a small file's rows,
+and its source closed once, after the last block applied. Raw rows are applied from the
+file's bytes without a decoded copy."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_packed import STEPS, packed_run  # noqa: F401 - the fixture, written once here
+from test_reshard import assemble
+
+
+def test_a_chain_restore_fetches_and_reads_each_file_once(
+    packed_run: tuple[Path, list[dict]],  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from embckpt.read.export import reconstruct
+    from embckpt.storage.chain import read_chain
+    from embckpt.storage.fs import CheckpointStore
+    from embckpt.storage.rowfile_ranges import FetchedFile
+
+    root, written = packed_run
+    opened: Counter[tuple[int, str]] = Counter()
+    reads: Counter[int] = Counter()
+    closed: Counter[int] = Counter()
+    open_rows, parquet, release = (
+        CheckpointStore.open_rows,
+        FetchedFile.parquet,
+        FetchedFile.release,
+    )
+
+    def counted_open(self: CheckpointStore, step: int, entry: Any, *args: Any) -> Any:
+        opened[(step, entry.path)] += 1
+        return open_rows(self, step, entry, *args)
+
+    def counted_parquet(self: FetchedFile) -> Any:
+        reads[id(self)] += 1
+        return parquet(self)
+
+    def counted_release(self: FetchedFile) -> None:
+        had_source = self.source is not None
+        release(self)
+        if had_source and self.source is None:
+            closed[id(self)] += 1
+
+    monkeypatch.setattr(CheckpointStore, "open_rows", counted_open)
+    monkeypatch.setattr(FetchedFile, "parquet", counted_parquet)
+    monkeypatch.setattr(FetchedFile, "release", counted_release)
+    rebuilt = reconstruct(root, STEPS[-1], threads=2)
+
+    entries = [
+        (m.step, f.path) for m in read_chain(CheckpointStore(root), STEPS[-1]) for f in m.files
+    ]
+    assert opened and set(opened.values()) == {1}, opened  # each file fetched once...
+    assert len(opened) < len([e for e in entries if e in opened])  # ...for several blocks
+    assert len(closed) == len(opened) and set(closed.values()) == {1}, closed
+    assert set(reads.values()) == {1}, reads  # the files are small: one Parquet read each
+    truth = assemble([w["at_save"] for w in written])
+    for key, weight in rebuilt.tables.items():
+        table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))
+        np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
+
+
+def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:
+    from embckpt.codecs import make_codec
+    from embckpt.read.apply import WrittenRows, _put
+    from embckpt.sharding import TableShard
+
+    codec = make_codec("raw")
+    rows = torch.randn(6, 4)
+    encoded = codec.encode(rows)
+    view = codec.decode_view(encoded, 4)
+    assert view is not None and not view.flags.writeable  # the batch's own bytes
+    assert np.array_equal(view, rows.numpy())
+    assert torch.equal(codec.decode(encoded, 4), rows)  # a copy, as before
+    dest = torch.zeros(10, 4)
+    shard = TableShard("t", "", "row_wise", 0, 0, 10, 4, dest)
+    _put(WrittenRows(shard, torch.tensor([1, 2, 5, 7, 8, 9]), 0, 4, False), view, dest, False)
+    assert torch.equal(dest[[1, 2, 5, 7, 8, 9]], rows) and not dest[[0, 3, 4, 6]].any()
+    added = torch.ones(10, 4)
+    _put(WrittenRows(shard, torch.arange(6), 0, 4, False), view, added, True)
+    assert torch.equal(added[:6], rows + 1)
+    bf16 = make_codec("raw").encode(rows.to(torch.bfloat16))
+    assert codec.decode_view(bf16, 4) is None  # numpy has no bfloat16: decode() copies
+
+
+@pytest.mark.parametrize("name", ["adaptive", "asymmetric", "symmetric"])
+def test_quantized_rows_decode_in_place_as_decode_gives_them(name: str) -> None:
+    from embckpt.codecs import make_codec
+    from embckpt.errors import CodecError
+
+    codec = make_codec(name, {"bits": 4})
+    rows = torch.randn(50, 16)
+    encoded = codec.encode(rows)
+    block = np.full((60, 16), 7.0, dtype=np.float32)
+    assert codec.decode_into(encoded, 16, block[5:55])
+    assert np.array_equal(block[5:55], codec.decode(encoded, 16).numpy())
+    assert (block[:5] == 7).all() and (block[55:] == 7).all()  # nothing else touched
+    with pytest.raises(CodecError):  # the kernel does not check bounds: the caller's error
+        codec.decode_into(encoded, 16, block[:40].copy())
+    assert not codec.decode_into(encoded, 16, block[5:55, :16:2].copy().astype(np.float64))
