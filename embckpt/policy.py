@@ -291,18 +291,20 @@ class IntermittentPolicy(Policy):
         self.max_chain = math.inf if max_chain is None else float(max_chain)
         self.max_restore_fp32 = float(max_restore_fp32)
 
-    def _fits(self, chain: float, stats: PolicyInput) -> bool:
-        """Whether a restore reading ``chain`` (in fulls) stays within the bounds; with the
-        fp32 checkpoint's size unknown, the default is the floor in fulls alone."""
-        if chain > self.max_chain:
-            return False
+    def _limit(self, stats: PolicyInput) -> float:
+        """The most a restore may read, in fulls; with the fp32 checkpoint's size unknown, the
+        default is the floor in fulls alone."""
         fp32 = stats.fp32_full_bytes
         limit = math.inf
         if fp32 is not None:
             limit = self.max_restore_fp32 * fp32 / max(stats.history[0].bytes, 1)
         if self.chain_floor:
             limit = self.chain_floor if fp32 is None else max(limit, self.chain_floor)
-        return chain <= limit
+        return min(limit, self.max_chain)
+
+    def _fits(self, chain: float, stats: PolicyInput) -> bool:
+        """Whether a restore reading ``chain`` (in fulls) stays within the bounds."""
+        return chain <= self._limit(stats)
 
     def _decide_diff(self, stats: PolicyInput) -> Decision:
         if self.diffs == "auto":
@@ -353,12 +355,20 @@ class IntermittentPolicy(Policy):
             least = min(reads.values())
             return Decision(Kind.FULL, reason=f"restore bound: a diff would read {least:.2f} fulls")
         base = min(allowed, key=lambda b: priced[b])
-        rebase = reads[DiffBase.LAST_FULL] < reads[DiffBase.PREVIOUS]
-        if base is DiffBase.PREVIOUS and DiffBase.LAST_FULL in allowed and rebase:
-            # The last moment a one-shot diff still fits, if the next incremental one would
-            # not: later, the rows changed since the full may not fit either, and a full would.
-            if not self._fits(reads[DiffBase.PREVIOUS] + incremental, stats):
+        room = self._limit(stats) - 1.0  # what diffs may add to the full, in fulls
+        if base is DiffBase.PREVIOUS and DiffBase.LAST_FULL in allowed and math.isfinite(room):
+            if not self._fits(chain + 2.0 * incremental, stats):
+                # The last moment a one-shot diff fits, if the next incremental one would not:
+                # rebase the chain on its full, unless a full now buys room for less.
+                if one_shot >= room / (1.0 + room):
+                    return Decision(
+                        Kind.FULL,
+                        reason=f"rebase: a one-shot diff of {one_shot:.2f} fulls "
+                        f"leaves less room per byte than a full ({room:.2f} fulls of diffs)",
+                    )
                 base = DiffBase.LAST_FULL
+            elif (one_shot - incremental) * (1.0 + room) < chain - 1.0 - one_shot:
+                base = DiffBase.LAST_FULL  # room freed for less than a full would cost
         upcoming = min(priced[b] for b in allowed)  # a rebase is paid once, not per interval
         # Check-N-Run's forecast over the next i + 1 checkpoints: keeping on costs at least the
         # next diff's price each time; a full now costs itself, then the diffs so far again

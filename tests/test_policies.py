@@ -118,8 +118,16 @@ def test_max_chain_bounds_what_a_restore_reads_whatever_the_prices() -> None:
     # diff (1 + 0.15) fits, and it reads less, so the chain rebases on the full ...
     rebase = decide(policy, 0.15, chain=1.15)
     assert (rebase.kind, rebase.base) == (Kind.DIFF, DiffBase.LAST_FULL)
-    # ... not where the one-shot diff would read more than the incremental chain.
-    assert decide(policy, 0.19, chain=1.13).base is DiffBase.PREVIOUS
+    # ... but a one-shot diff that would leave less room per byte than a full (0.19 of the
+    # 0.2 fulls diffs may add: more than 0.2 / 1.2) gives way to a full at once ...
+    full_now = decide(policy, 0.19, chain=1.13)
+    assert full_now.kind is Kind.FULL and "rebase" in full_now.reason
+    # ... and a one-shot diff that frees room for less than a full would cost is taken early:
+    # with 0.08 fulls of diffs in the chain, one of 0.08 frees nothing; one of 0.06 writes
+    # 0.01 more than the incremental diff (times 1 + 0.2: a full's price per unit of room) to
+    # free 0.02.
+    assert decide(policy, 0.08, chain=1.08).base is DiffBase.PREVIOUS
+    assert decide(policy, 0.06, chain=1.08).base is DiffBase.LAST_FULL
     # ... at 1.18 it would not (1.23): a one-shot diff of the rows changed since the full
     # (1 + 0.15) is written instead, though it writes more ...
     bounded = decide(policy, 0.15, chain=1.18)
