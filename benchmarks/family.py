@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import write_result  # noqa: E402
 from oracle import Pricing, best_bounded_schedule, schedule_bytes  # noqa: E402
-from policies import Schedule, measure, policy_table  # noqa: E402
+from policies import Schedule, measure, parents_of, policy_table, schedule_string  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
-from embckpt.policy import COST_MAX_CHAIN, COST_MAX_RESTORE_FP32  # noqa: E402
+from embckpt.policy import COST_MAX_CHAIN, IntermittentPolicy, Policy, make_policy  # noqa: E402
 
 HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits": 4}
 """The README's headline setting; every field it does not name is the library's default."""
@@ -168,24 +168,10 @@ def settings(candidates: list[str]) -> dict[str, CheckpointConfig]:
     return configs
 
 
-def _schedule_string(records: list[dict[str, Any]]) -> str:
-    kinds = {r["step"]: r["kind"] for r in records}
-    return "".join(
-        "F" if r["kind"] == "full" else "d" if kinds[r["parent_step"]] == "full" else "i"
-        for r in records
-    )
-
-
-def _parents(records: list[dict[str, Any]]) -> list[int | None]:
-    """Each checkpoint's parent interval (None for a full)."""
-    index = {r["step"]: t for t, r in enumerate(records)}
-    return [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
-
-
 def bounded_oracle(
-    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float
+    runs: dict[str, list[dict[str, Any]]], counts: np.ndarray, fp32: float, policy: Policy
 ) -> dict[str, Any]:
-    """The best schedule of fulls, one-shot and incremental diffs under the default's restore
+    """The best schedule of fulls, one-shot and incremental diffs under ``policy``'s restore
     bound (``oracle.best_bounded_schedule``), priced from the default run's measured bytes
     (fulls: the mean of the ``full`` and ``default`` runs' fulls, which share codecs; diffs:
     the default's bytes per written row plus its per-checkpoint files), beside the default's
@@ -199,10 +185,11 @@ def bounded_oracle(
         diff_row_bytes=sum(r["rows_bytes"] for r in diffs) / rows if rows else 0.0,
         diff_fixed_bytes=sum(r["non_row_bytes"] for r in diffs) / max(len(diffs), 1),
     )
-    bound = max(COST_MAX_RESTORE_FP32 * fp32, COST_MAX_CHAIN * pricing.full_bytes)
+    assert isinstance(policy, IntermittentPolicy)
+    bound = policy.restore_limit(pricing.full_bytes, fp32) * pricing.full_bytes
     costs = pricing.diff_costs(counts)
     best, kinds = best_bounded_schedule(pricing.full_bytes, costs, bound)
-    parents = _parents(records)
+    parents = parents_of(records)
     priced = schedule_bytes(parents, pricing.full_bytes, costs)
     intervals = len(records)
     # A run cut short ends the oracle's schedule there too, so a full the predictor takes for
@@ -240,7 +227,7 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
     table = policy_table(runs, rel_l2)
     fp32 = runs["full"][0]["full_fp32_bytes"]
     keep_all_fp32 = fp32 * member.intervals
-    oracle = bounded_oracle(runs, counts["default"], fp32)
+    oracle = bounded_oracle(runs, counts["default"], fp32, make_policy(configs["default"]))
     restore = measured["restore_s"]
     best = {name: min(times) for name, times in restore.items()}
     median = {name: statistics.median(times) for name, times in restore.items()}
@@ -253,7 +240,7 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
             "full_checkpoints": table[name]["full_checkpoints"],
             "bytes_per_written_row_diff": table[name]["bytes_per_written_row_diff"],
             "restored_rel_l2": table[name]["restored_rel_l2"],
-            "schedule": _schedule_string(runs[name]),
+            "schedule": schedule_string(parents_of(runs[name])),
             "checkpoints": [
                 {k: r[k] for k in ("step", "kind", "parent_step", "bytes", "rows", "rows_bytes")}
                 for r in runs[name]

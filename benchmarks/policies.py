@@ -424,13 +424,13 @@ def _rows_bytes_per_row(records: list[dict[str, Any]], kind: str | None = None) 
     return sum(r["rows_bytes"] for r in chosen) / rows if rows else None
 
 
-def _parents(records: list[dict[str, Any]]) -> list[int | None]:
+def parents_of(records: list[dict[str, Any]]) -> list[int | None]:
     """Each checkpoint's parent as an index into ``records`` (None for a full)."""
     index = {r["step"]: t for t, r in enumerate(records)}
     return [None if r["kind"] == "full" else index[r["parent_step"]] for r in records]
 
 
-def _schedule_string(parents: list[int | None]) -> str:
+def schedule_string(parents: list[int | None]) -> str:
     """F: full, d: one-shot diff (on a full), i: incremental diff (on a diff)."""
     return "".join("F" if p is None else "d" if parents[p] is None else "i" for p in parents)
 
@@ -451,17 +451,17 @@ def oracle_of(
     )
     costs = pricing.diff_costs(counts)
     oracle_bytes, oracle_kinds = best_schedule(pricing.full_bytes, costs)
-    parents = _parents(records)
+    parents = parents_of(records)
     priced = schedule_bytes(parents, pricing.full_bytes, costs)
     actual = sum(r["bytes"] for r in records)
     intervals = len(records)
     result = {
         "pricing": dataclasses.asdict(pricing),
-        "schedule": _schedule_string(one_shot_parents(oracle_kinds)),
+        "schedule": schedule_string(one_shot_parents(oracle_kinds)),
         "fulls": oracle_kinds.count("full"),
         "mean_bytes_per_interval": oracle_bytes / intervals,
         "write_reduction_x": fp32 * intervals / oracle_bytes,
-        "intermittent_schedule": _schedule_string(parents),
+        "intermittent_schedule": schedule_string(parents),
         "intermittent_priced_bytes_per_interval": priced / intervals,
         "intermittent_priced_write_reduction_x": fp32 * intervals / priced,
         "intermittent_actual_write_reduction_x": fp32 * intervals / actual,
@@ -569,7 +569,7 @@ def main() -> None:
         "one_shot_intermittent_write_reduction_x": table["intermittent_one_shot"][
             "write_reduction_x"
         ],
-        "intermittent_schedule": _schedule_string(_parents(runs["intermittent"])),
+        "intermittent_schedule": schedule_string(parents_of(runs["intermittent"])),
         "runtime_s": runtime_s,
     }
     byte_budget = {k: intermittent["byte_budget"][k] for k in ("full", "diff")}

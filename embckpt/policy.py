@@ -304,16 +304,18 @@ class IntermittentPolicy(Policy):
         self.max_chain = math.inf if max_chain is None else float(max_chain)
         self.max_restore_fp32 = float(max_restore_fp32)
 
-    def _limit(self, stats: PolicyInput) -> float:
-        """The most a restore may read, in fulls; with the fp32 checkpoint's size unknown, the
-        default is the floor in fulls alone."""
-        fp32 = stats.fp32_full_bytes
+    def restore_limit(self, full_bytes: float, fp32_full_bytes: float | None) -> float:
+        """The most a restore may read, in fulls of ``full_bytes``; with the fp32 checkpoint's
+        size unknown, the default is the floor in fulls alone."""
         limit = math.inf
-        if fp32 is not None:
-            limit = self.max_restore_fp32 * fp32 / max(stats.history[0].bytes, 1)
+        if fp32_full_bytes is not None:
+            limit = self.max_restore_fp32 * fp32_full_bytes / max(full_bytes, 1)
         if self.chain_floor:
-            limit = self.chain_floor if fp32 is None else max(limit, self.chain_floor)
+            limit = self.chain_floor if fp32_full_bytes is None else max(limit, self.chain_floor)
         return min(limit, self.max_chain)
+
+    def _limit(self, stats: PolicyInput) -> float:
+        return self.restore_limit(stats.history[0].bytes, stats.fp32_full_bytes)
 
     def _fits(self, chain: float, stats: PolicyInput) -> bool:
         """Whether a restore reading ``chain`` (in fulls) stays within the bounds."""
