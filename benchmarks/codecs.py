@@ -255,8 +255,8 @@ def _huffman_stage(encoded: Any, fp32: float, reps: int) -> dict[str, float]:
 
 
 def _search_time(codec: Any, rows: torch.Tensor, reps: int) -> float:
-    """Best thread CPU time of the adaptive range search alone (kernels.search_rows)."""
-    from embckpt.codecs import kernels
+    """Best thread CPU time of the adaptive range search alone (adaptive_kernels.search_rows)."""
+    from embckpt.codecs import adaptive_kernels
 
     n = rows.shape[0]
     lo, hi, xmin, xmax = (np.empty(n, dtype=np.float32) for _ in range(4))
@@ -264,7 +264,7 @@ def _search_time(codec: Any, rows: torch.Tensor, reps: int) -> float:
     x = rows.numpy()
     steps = codec._steps()
     _, best, _ = _cpu_time(
-        lambda: kernels.search_rows(
+        lambda: adaptive_kernels.search_rows(
             x, codec.bits, codec.n_bins, steps, True, lo, hi, xmin, xmax, False, none
         ),
         reps,

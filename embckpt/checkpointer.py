@@ -308,7 +308,10 @@ class Checkpointer:
         except BaseException:
             self._saver.restore_failed()
             raise
-        self._saver.restored(result)
+        if result is None:
+            self._saver.restored(None)
+        else:
+            self._saver.restored(result.manifest, result.diff_rows)
         if result is not None and result.partial is not None:
             self._saver.restore_failed()  # no chain holds this mix of steps: the next is a full
         if result is not None:

@@ -188,7 +188,7 @@ def test_kernels_match_the_torch_path(cols: int, monkeypatch: pytest.MonkeyPatch
 
 
 def test_kernel_fp16_rounding_matches_torch() -> None:
-    from embckpt.codecs import kernels
+    from embckpt.codecs import fp16_bits
 
     every = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
     values = torch.cat([every.float(), -every.float()])
@@ -196,9 +196,9 @@ def test_kernel_fp16_rounding_matches_torch() -> None:
     g = torch.Generator().manual_seed(0)
     random = torch.randn(4000, generator=g) * torch.logspace(-9, 4.8, 4000)
     tests = torch.cat([values[::7], between[::7], random, torch.tensor([65519.0, 65520.0, 7e4])])
-    rounded = np.array([kernels._half_round(np.float32(v)) for v in tests.tolist()])
+    rounded = np.array([fp16_bits.half_round(np.float32(v)) for v in tests.tolist()])
     assert np.array_equal(rounded, tests.half().float().numpy())
-    halves = np.array([kernels._half_bits(np.float32(v)) for v in values[::7].tolist()])
+    halves = np.array([fp16_bits.half_bits(np.float32(v)) for v in values[::7].tolist()])
     assert np.array_equal(
         halves.astype(np.uint16), values[::7].half().view(torch.int16).numpy().view(np.uint16)
     )
@@ -381,13 +381,13 @@ def _walk_row_by_row(
 
 @functools.cache
 def _row_by_row_kernel() -> Any:
-    """The compiled search as it stood before the lockstep kernel (kernels.search_rows): one
-    row's walk at a time, a branch per choice, left-to-right min and max, each sum of squares
-    left to right (the canonical order). The reference that the lockstep kernel must
-    reproduce bit for bit."""
+    """The compiled search as it stood before the lockstep kernel (adaptive_kernels.search_rows):
+    one row's walk at a time, a branch per choice, left-to-right min and max, each sum of squares
+    left to right (the canonical order). The reference that the lockstep kernel must reproduce bit
+    for bit."""
     from numba import njit
 
-    from embckpt.codecs import kernels as k
+    from embckpt.codecs import adaptive_kernels as k
 
     @njit
     def sumsq(x, r, inv, off, top):  # type: ignore[no-untyped-def]
@@ -452,11 +452,11 @@ def _zero_heavy_rows(cols: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", BITS)
 def test_lockstep_search_reproduces_the_row_by_row_walk(bits: int) -> None:
-    """kernels.search_rows picks exactly the ranges of the row-by-row walk it replaced, and
-    the adaptive codec writes exactly the bytes of those ranges quantized, on trained-like
-    rows, zero-heavy rows and odd widths, with fp16-rounded and exact parameters (exact
-    ties between ranges included: both sum in the same order)."""
-    from embckpt.codecs import kernels
+    """adaptive_kernels.search_rows picks exactly the ranges of the row-by-row walk it replaced, and
+    the adaptive codec writes exactly the bytes of those ranges quantized, on trained-like rows,
+    zero-heavy rows and odd widths, with fp16-rounded and exact parameters (exact ties between
+    ranges included: both sum in the same order)."""
+    from embckpt.codecs import adaptive_kernels
     from embckpt.codecs.base import fixed_binary_values
     from embckpt.codecs.uniform import half_params_fit
 
@@ -470,7 +470,7 @@ def test_lockstep_search_reproduces_the_row_by_row_walk(bits: int) -> None:
             ref_lo, ref_hi = _walk_row_by_row(xn, bits, codec.n_bins, steps, half)
             lo, hi, xmin, xmax = (np.empty(len(xn), dtype=np.float32) for _ in range(4))
             none = np.empty((0, 0), dtype=np.uint8)
-            assert kernels.search_rows(
+            assert adaptive_kernels.search_rows(
                 xn, bits, codec.n_bins, steps, half, lo, hi, xmin, xmax, False, none
             )
             assert np.array_equal(lo.view(np.uint32), ref_lo.view(np.uint32)), (bits, half)
@@ -487,15 +487,19 @@ def test_lockstep_search_reproduces_the_row_by_row_walk(bits: int) -> None:
 
 
 def test_lockstep_search_stops_at_non_finite_rows() -> None:
-    from embckpt.codecs import kernels
+    from embckpt.codecs import adaptive_kernels
 
     x = _rows(200, 16)
     x[150, 3] = float("nan")
     out = np.empty((200, packed_width(16, 4) + 4), dtype=np.uint8)
     lo, hi, xmin, xmax = (np.empty(200, dtype=np.float32) for _ in range(4))
-    assert not kernels.search_rows(x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out)
+    assert not adaptive_kernels.search_rows(
+        x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out
+    )
     x[150, 3] = float("-inf")
-    assert not kernels.search_rows(x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out)
+    assert not adaptive_kernels.search_rows(
+        x.numpy(), 4, 50, 5, True, lo, hi, xmin, xmax, True, out
+    )
 
 
 def test_torch_paths_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,6 +55,7 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "read/__init__.py": "",
         "read/plan.py": "from embckpt.read.stage import stage\n",
         "read/stage.py": "from embckpt.save.writer import RowFileWriter\n",
+        "save/saver.py": "from embckpt.read.restore import RestoreResult\n",
         "storage/rowfile_read.py": "from embckpt.storage.rowfile_write import encode_file\n",
         "read/restore.py": (
             "from typing import TYPE_CHECKING\n"
@@ -82,6 +83,7 @@ def test_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "policy does not import tracking",
         "read/: plan never imports stage",
         "read/ never imports save/",
+        "save/ never imports read/",
         "share only storage/rowfile.py",
         "only cli imports cli_restore",
     ):

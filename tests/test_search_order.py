@@ -1,4 +1,4 @@
-"""The adaptive search's canonical arithmetic: kernels.search_rows against a plain numpy walk.
+"""The adaptive search's canonical arithmetic: adaptive_kernels.search_rows against a numpy walk.
 
 The reference runs the greedy walk of adaptive.py with every float32 operation spelled out in
 numpy (no fused multiply-add, no reassociation), each row's sum of squares left to right over
@@ -101,7 +101,7 @@ def reference_fused(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int) ->
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("cols", [5, 37])
 def test_kernel_search_is_the_sequential_walk(bits: int, cols: int) -> None:
-    from embckpt.codecs import kernels
+    from embckpt.codecs import adaptive_kernels
 
     codec = AdaptiveCodec(bits=bits, entropy="none")
     steps = codec._steps()
@@ -112,7 +112,7 @@ def test_kernel_search_is_the_sequential_walk(bits: int, cols: int) -> None:
             ref_lo, ref_hi = reference_walk(xn, bits, codec.n_bins, steps, half)
             lo, hi, xmin, xmax = (np.empty(len(xn), dtype=F32) for _ in range(4))
             none = np.empty((0, 0), dtype=np.uint8)
-            assert kernels.search_rows(
+            assert adaptive_kernels.search_rows(
                 xn, bits, codec.n_bins, steps, half, lo, hi, xmin, xmax, False, none
             )
             assert np.array_equal(lo.view(np.uint32), ref_lo.view(np.uint32)), (half, cols)

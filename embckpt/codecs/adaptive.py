@@ -17,10 +17,10 @@ steps) or caffe2's (200, 0.16: 32 steps) recovers, at a third of the cost or les
 asymmetric: 0.75, 0.87, 0.92, 0.95 at 2, 3, 4, 8 bits).
 
 Cost: each step scores two ranges exactly, so encoding quantizes every row about 11 times.
-On CPU tensors one compiled pass (kernels.search_rows) takes a tile of rows at a time: their
-min and max (integer reductions), the walk in lockstep (each step: every row's candidate
-scales, the rows' sums of squares, every row's choice without a branch), then the tile
-quantized and packed while it is still in L1. The ranges are exactly those of the row-by-row
+On CPU tensors one compiled pass (adaptive_kernels.search_rows) takes a tile of rows at a
+time: their min and max (integer reductions), the walk in lockstep (each step: every row's
+candidate scales, the rows' sums of squares, every row's choice without a branch), then the
+tile quantized and packed while it is still in L1. The ranges are exactly those of the row-by-row
 walk it replaced (tests/test_codecs.py); the sums of squares run in another order than
 torch's, so the torch path's ranges differ on ~1e-5 of trained rows, no row's error by more
 than 0.1%. Measured on 131072 trained 64-dim rows (``benchmarks/codecs.py --quick``, thread
@@ -105,12 +105,12 @@ class AdaptiveCodec(AsymmetricCodec):
             or self.param_dtype == "float32"
         ):
             return super()._plan_fused(x)
-        from embckpt.codecs import kernels
+        from embckpt.codecs import adaptive_kernels
 
         n, cols = x.shape
         lo, hi, xmin, xmax = (np.empty(n, dtype=np.float32) for _ in range(4))
         fused = np.empty((n, packed_width(cols, self.bits) + 4), dtype=np.uint8)
-        finite = kernels.search_rows(
+        finite = adaptive_kernels.search_rows(
             x.numpy(), self.bits, self.n_bins, self._steps(), True, lo, hi, xmin, xmax, True, fused
         )
         if not finite or (
@@ -133,12 +133,12 @@ class AdaptiveCodec(AsymmetricCodec):
             self.param_dtype == "auto" and half_params_fit(xmin, xmax, self.bits)
         )
         if use_kernels(x):
-            from embckpt.codecs import kernels
+            from embckpt.codecs import adaptive_kernels
 
             n = x.shape[0]
             lo_np, hi_np, xmin_np, xmax_np = (np.empty(n, dtype=np.float32) for _ in range(4))
             none = np.empty((0, 0), dtype=np.uint8)
-            kernels.search_rows(
+            adaptive_kernels.search_rows(
                 x.numpy(),
                 self.bits,
                 self.n_bins,

@@ -2,14 +2,15 @@
 computed where the rows live so that only the packed bytes cross to the host.
 
 Why these bytes are the CPU's: every value that decides a byte goes through the same float32
-operations, in the same order, as kernels.py (numba) and uniform.py's planning: IEEE division
-(``div_rn``), fp16 rounding by conversion (round to nearest even, as kernels.py's bit trick),
-no fused multiply-add (the launch passes ``enable_fp_fusion=False``), each row's sums of
-squares left to right over its columns (the canonical order kernels.search_rows keeps).
-Rounding is ``rint(clamp(t, 0, top))``, which for finite ``t`` equals kernels.py's
-``clamp(rint(t), 0, top)`` (but for the sign of a zero, which no sum or code sees), as
-``(c + 2**23) - 2**23``: exact round-half-to-even for ``0 <= c < 2**23``, in plain IEEE
-arithmetic that Triton's interpreter (numpy) runs too, where libdevice's ``rint`` does not.
+operations, in the same order, as the numba kernels (uniform_kernels.py, adaptive_kernels.py)
+and uniform.py's planning: IEEE division (``div_rn``), fp16 rounding by conversion (round to
+nearest even, as fp16_bits.py's bit trick), no fused multiply-add (the launch passes
+``enable_fp_fusion=False``), each row's sums of squares left to right over its columns (the
+canonical order adaptive_kernels.search_rows keeps). Rounding is ``rint(clamp(t, 0, top))``,
+which for finite ``t`` equals the numba kernels' ``clamp(rint(t), 0, top)`` (but for the sign
+of a zero, which no sum or code sees), as ``(c + 2**23) - 2**23``: exact round-half-to-even
+for ``0 <= c < 2**23``, in plain IEEE arithmetic that Triton's interpreter (numpy) runs too,
+where libdevice's ``rint`` does not.
 
 Layout: a program takes ``BLOCK`` rows, one per thread; every pass over a row is a loop over
 its columns inside the kernel, so each thread's sums run in column order, and a block's rows
@@ -55,8 +56,8 @@ def _level(t, top):
 @triton.jit
 def _extremes(base, live, COLS: tl.constexpr, UNROLL: tl.constexpr):
     """Each row's min and max (a zero one as the row's first zero, 0.0 or -0.0, as
-    kernels._minmax and _first_zero), max |x|, and whether it is finite: one pass, on the
-    values' bits ordered as integers (kernels._order_key)."""
+    adaptive_kernels._minmax and _first_zero), max |x|, and whether it is finite: one pass,
+    on the values' bits ordered as integers (adaptive_kernels._order_key)."""
     low = tl.full(live.shape, 2147483647, tl.int32)
     high = tl.full(live.shape, -2147483647 - 1, tl.int32)
     peak = tl.zeros(live.shape, tl.int32)
@@ -83,7 +84,7 @@ def _extremes(base, live, COLS: tl.constexpr, UNROLL: tl.constexpr):
 
 @triton.jit
 def _key_value(key):
-    """The float of an order key (kernels._key_value)."""
+    """The float of an order key (adaptive_kernels._key_value)."""
     sign = key >> 31
     magnitude = (key ^ sign) - sign
     return (magnitude | (sign << 31)).to(tl.float32, bitcast=True)
@@ -123,7 +124,7 @@ def _symmetric_range(peak, BITS: tl.constexpr):
 
 @triton.jit
 def _scoring(lo, hi, top):
-    """kernels._scoring with fp16 parameters: (1 / scale, lo / scale, scale**2)."""
+    """adaptive_kernels._scoring with fp16 parameters: (1 / scale, lo / scale, scale**2)."""
     lo = _half_round(lo)
     span = hi - lo
     scale = _half_round(tl.where(span > 0, tl.math.div_rn(span, top), 1.0))
@@ -163,7 +164,7 @@ def _sumsq2(base, live, inv1, off1, inv2, off2, top, COLS: tl.constexpr, UNROLL:
 def _search(
     base, live, xmin, xmax, top, bins, COLS: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr
 ):
-    """kernels.search_rows' greedy walk with fp16 parameters: each row's best range."""
+    """adaptive_kernels.search_rows' greedy walk with fp16 parameters: each row's best range."""
     cur_lo = xmin
     cur_hi = xmax
     step = tl.math.div_rn(xmax - xmin, bins)
@@ -213,8 +214,9 @@ def _quantize(
     WITH_BIAS: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
-    """kernels._quantize_row and _pack: each row's codes over [lo, hi], packed in groups of
-    ``PER`` codes into ``NBYTES`` bytes (packing.py's layout), then its fp16 parameters."""
+    """uniform_kernels._quantize_row and pack_row: each row's codes over [lo, hi], packed in
+    groups of ``PER`` codes into ``NBYTES`` bytes (packing.py's layout), then its fp16
+    parameters."""
     bias = _half_round(lo)
     span = hi - bias
     scale = _half_round(tl.where(span != 0, tl.math.div_rn(span, top), 1.0))

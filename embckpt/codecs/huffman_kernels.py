@@ -4,7 +4,7 @@ Why compiled: rows are independent bit strings, so a kernel walks each row once 
 bit buffer, where a numpy pass per byte column would stream the whole batch through memory once
 per column (and scatter-add its bits).
 
-Contract (as kernels.py): C-contiguous arrays of fixed dtypes, compiled lazily on first call
+Contract (as uniform_kernels.py): C-contiguous arrays of fixed dtypes, compiled lazily on first call
 and cached on disk, GIL released. Tables are flat, one block per code table, and ``base[j]`` is
 the start of byte column ``j``'s block. Encode entries are ``code | length << 16`` (uint32, the
 code already bit-reversed for the LSB-first stream); decode entries are ``length | symbol << 8``

@@ -15,8 +15,9 @@ When it is worth it: on trained DLRM tables (benchmarks/results/codecs.json) thi
 lowest error of all at every bit width (4 bits: 0.89 of asymmetric's l2 error, adaptive 0.92;
 2 bits: 0.72 and 0.75), at the same bytes per row. It encodes ~10x slower than asymmetric
 (every row alternates three times between its codes and its scale and bias): on CPU tensors in
-compiled per-row kernels (kernels.py), ~0.15-0.25 GB/s of fp32 rows per core, from 0.01-0.03
-with the vectorised torch path, which other devices still take; it decodes at ~0.4-0.9 GB/s.
+compiled per-row kernels (kmeans_kernels.py), ~0.15-0.25 GB/s of fp32 rows per core, from
+0.01-0.03 with the vectorised torch path, which other devices still take; it decodes at ~0.4-0.9
+GB/s.
 Use it where a checkpoint is written rarely and restored often, or where bits are scarce; for
 frequent checkpoints, adaptive gets most of the gain 2-3x faster.
 
@@ -193,17 +194,18 @@ def _alternate(
     ``bias``, then each row's least-squares ``scale`` and ``bias`` for those codes (0 rounds:
     the codes alone). Returns the last codes (uint8) and the parameters.
 
-    CPU rows run in a compiled per-row kernel (kernels.py), which keeps each row in L1 across
-    its rounds: ~10 vectorised torch passes per round over the whole batch measured 30-100x
-    slower. scikit-learn has no such per-row fit (its k-means fits the shared codebook, above).
+    CPU rows run in a compiled per-row kernel (kmeans_kernels.py), which keeps each row in L1
+    across its rounds: ~10 vectorised torch passes per round over the whole batch measured
+    30-100x slower. scikit-learn has no such per-row fit (its k-means fits the shared
+    codebook, above).
     """
     if use_kernels(x) and x.shape[0]:
-        from embckpt.codecs import kernels
+        from embckpt.codecs import kmeans_kernels
 
         codes_np = np.empty(x.shape, dtype=np.uint8)
         scale_np = np.array(scale.numpy(), dtype=np.float32)
         bias_np = np.array(bias.numpy(), dtype=np.float32)
-        kernels.kmeans_rows(x.numpy(), codebook.numpy(), rounds, scale_np, bias_np, codes_np)
+        kmeans_kernels.kmeans_rows(x.numpy(), codebook.numpy(), rounds, scale_np, bias_np, codes_np)
         return torch.from_numpy(codes_np), torch.from_numpy(scale_np), torch.from_numpy(bias_np)
     codes = _assign(x, scale, bias, codebook)
     for done in range(rounds):
@@ -256,11 +258,11 @@ def _fuse(codes: torch.Tensor, params: torch.Tensor, bits: int) -> torch.Tensor:
     """Packed codes [n, cols] (uint8) then the parameter bytes, one fused row each."""
     if not use_kernels(codes):
         return torch.cat([pack_codes(codes, bits), params], dim=1)
-    from embckpt.codecs import kernels
+    from embckpt.codecs import kmeans_kernels
 
     width = packed_width(codes.shape[1], bits)
     fused = np.empty((codes.shape[0], width + params.shape[1]), dtype=np.uint8)
-    kernels.pack_rows(codes.numpy(), bits, fused)
+    kmeans_kernels.pack_rows(codes.numpy(), bits, fused)
     fused[:, width:] = params.numpy()
     return torch.from_numpy(fused)
 
@@ -273,10 +275,12 @@ def _refit_codebook(
     k = len(old)
     # scale**2 * (c - (x - bias)/scale)**2 = (scale*c - (x - bias))**2: weighted least squares.
     if use_kernels(x):
-        from embckpt.codecs import kernels
+        from embckpt.codecs import kmeans_kernels
 
         num_np, den_np = np.zeros(k), np.zeros(k)
-        kernels.codebook_sums(x.numpy(), codes.numpy(), scale.numpy(), bias.numpy(), num_np, den_np)
+        kmeans_kernels.codebook_sums(
+            x.numpy(), codes.numpy(), scale.numpy(), bias.numpy(), num_np, den_np
+        )
         num, den = torch.from_numpy(num_np), torch.from_numpy(den_np)
     else:
         flat = codes.reshape(-1).long()

@@ -16,15 +16,14 @@ cannot place within half a step. Per element the error is at most half a step (`
 plus the rounding of ``scale`` and ``bias`` to that dtype.
 
 Paths: CPU rows with fp16 parameters (every trained table) go through compiled kernels
-(kernels.py): quantize, pack and write the fused row in one pass per row, and decode the same
-way; measured on trained 64-dim rows, one core, they encode at 3-6 GB/s and decode at 4-9 GB/s
+(uniform_kernels.py): quantize, pack and write the fused row in one pass per row, and decode the
+same way; measured on trained 64-dim rows, one core, they encode at 3-6 GB/s and decode at 4-9 GB/s
 of fp32 rows, where FBGEMM's row-wise op managed 2 GB/s (2 and 4 bits only) and the torch path
-0.5-0.9. Other devices and fp32 parameters take the vectorised torch path, which reproduces
-FBGEMM's bytes exactly, as the kernels reproduce the torch path's (tested), so all write one
-format. FBGEMM's op is kept for CPU rows when the kernels are switched off (``COMPILED``),
-where it quantizes over the ranges it is given (checked once: fbgemm-gpu-cpu 1.9.0's does not).
-Rows on a GPU can be fused there instead (device_encode.py), to the same bytes, and encoded
-from those (``encode_fused``).
+0.5-0.9. Other devices and fp32 parameters take the vectorised torch path, which reproduces FBGEMM's
+bytes exactly, as the kernels reproduce the torch path's (tested), so all write one format. FBGEMM's
+op is kept for CPU rows when the kernels are switched off (``COMPILED``), where it quantizes over
+the ranges it is given (checked once: fbgemm-gpu-cpu 1.9.0's does not). Rows on a GPU can be fused
+there instead (device_encode.py), to the same bytes, and encoded from those (``encode_fused``).
 """
 
 from __future__ import annotations
@@ -58,16 +57,17 @@ _FP16_SAFE_MAX = 65000.0
 _FP16_MIN_NORMAL = 2.0**-14
 _FP16_REL = 2.0**-11
 
-#: Whether CPU rows go through the compiled kernels of kernels.py; tests switch it off to check
-#: the torch path, which tensors on other devices always take.
+#: Whether CPU rows go through the compiled kernels (uniform_kernels.py, adaptive_kernels.py,
+#: kmeans_kernels.py); tests switch it off to check the torch path, which tensors on other
+#: devices always take.
 COMPILED = True
 
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the compiled kernels serve ``x``: CPU tensors, while ``COMPILED`` is on.
 
-    kernels.py is imported where used, on first use: numba costs about half a second to
-    import, and only CPU encoding and decoding need it.
+    The kernel modules are imported where used, on first use: numba costs about half a
+    second to import, and only CPU encoding and decoding need it.
     """
     return COMPILED and x.device.type == "cpu"
 
@@ -126,7 +126,7 @@ def row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``amin`` and ``amax`` return either zero of a row holding both, depending on how the
     reduction is vectorised, and the sign reaches the stored bias; the first zero in column
-    order is what kernels.py's search and the GPU encoder (device_kernels.py) reproduce.
+    order is what adaptive_kernels.py's search and the GPU encoder (device_kernels.py) reproduce.
     """
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     zero = (lo == 0) | (hi == 0)
@@ -191,11 +191,11 @@ def quantize_half(
 ) -> torch.Tensor:
     """Fused rows [n, w + 4] (or [n, w + 2] without ``with_bias``: symmetric's scale alone) of
     CPU rows ``x`` quantized over [lo, hi] with fp16 parameters, by the compiled kernel."""
-    from embckpt.codecs import kernels
+    from embckpt.codecs import uniform_kernels
 
     n, cols = x.shape
     fused = np.empty((n, packed_width(cols, bits) + (4 if with_bias else 2)), dtype=np.uint8)
-    kernels.quantize_half(
+    uniform_kernels.quantize_half(
         x.numpy(),
         np.ascontiguousarray(lo.numpy(), dtype=np.float32),
         np.ascontiguousarray(hi.numpy(), dtype=np.float32),
@@ -230,7 +230,7 @@ def dequantize_fused(
     if bias is None:
         bias = params[:, 1]
     if COMPILED:
-        from embckpt.codecs import kernels
+        from embckpt.codecs import uniform_kernels
 
         if out is None:
             out = np.empty((n, cols), dtype=np.float32)
@@ -238,7 +238,7 @@ def dequantize_fused(
             raise CodecError(f"{n} rows of {cols} decode into an array of {out.shape}")
         packed = np.ascontiguousarray(fused).view()
         packed.flags.writeable = False  # one compiled signature for Arrow's read-only buffers
-        kernels.dequantize(
+        uniform_kernels.dequantize(
             packed,
             bits,
             cols,

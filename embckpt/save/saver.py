@@ -47,7 +47,6 @@ from embckpt.config import codec_for
 from embckpt.errors import RankError, SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores
-from embckpt.read.restore import RestoreResult
 from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
@@ -423,21 +422,27 @@ class Saver:
             self._guard.release()
 
     # -- after a restore ---------------------------------------------------------------------
-    def restored(self, result: RestoreResult | None) -> None:
-        """The model now holds ``result``'s step (None: the directory was empty): the next
-        checkpoint continues that chain, and the restored rows its diffs changed count as
-        changed since the full. The reference is gone until the next full."""
-        if result is None:
+    def restored(
+        self,
+        manifest: Manifest | None,
+        diff_rows: tuple[tuple[str, torch.Tensor], ...] = (),
+    ) -> None:
+        """The model now holds ``manifest``'s step (None: the directory was empty): the next
+        checkpoint continues that chain, and ``diff_rows`` (block key, local rows), the restored
+        rows its diffs changed, count as changed since the full. The reference is gone until the
+        next full. Takes the manifest and rows, not a restore's result: the save flow does not
+        depend on the read flow."""
+        if manifest is None:
             self.restore_failed()  # nothing to continue from, as after a failed restore
             return
         state = self.state
         state.reference.clear()
         state.next_step = None
         state.tracker.reset()
-        for key, local_rows in result.diff_rows:
+        for key, local_rows in diff_rows:
             state.tracker.mark(key, local_rows, View.SINCE_FULL)
-        state.head = result.manifest
-        self.restores = int(result.manifest.stats.get("restores", 0)) + 1
+        state.head = manifest
+        self.restores = int(manifest.stats.get("restores", 0)) + 1
         if state.reconstruction is not None:
             state.reconstruction.reset_from_live(self.ctx.sharded.writer_shards())
 

@@ -1,0 +1,255 @@
+"""Compiled per-row kernels (numba) of the uniform codecs (uniform.py) on CPU tensors: each
+row quantized, packed and written as a fused row in one pass (``quantize_half``), and decoded
+in one (``dequantize``), while it stays in L1 and registers, where the torch path makes a pass
+over the whole batch per operation (uniform.py gives the measured speeds). The range search
+(adaptive_kernels.py) quantizes through ``quantize_rows``, k-means (kmeans_kernels.py) packs
+through ``pack_row``.
+
+Contract (of these kernels and of adaptive_kernels.py's and kmeans_kernels.py's): kernels take
+C-contiguous numpy arrays of fixed dtypes (float32 rows and ranges, uint8 bytes, float64
+parameters; int and bool options), so each compiles once, lazily on its first call, and numba
+caches the machine code on disk (``cache=True``); they release the GIL (``nogil``: the writer
+encodes in threads), and divide by zero as IEEE says (numpy's error model), as torch does.
+Quantization and decoding reproduce the torch path of uniform.py bit for bit (same float32
+operations in the same order, no fused multiply-add). CUDA tensors never come here: they take
+device_encode.py or torch.
+
+numba's disk cache sees edits to a kernel's own file only: after editing this file (or
+fp16_bits.py), delete the ``*.nbi`` and ``*.nbc`` files of codecs/__pycache__, so that the
+kernels of adaptive_kernels.py and kmeans_kernels.py compile again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from embckpt.codecs.fp16_bits import half_bits, half_round
+
+_F32 = np.float32
+_U32 = np.uint32
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def quantize_half(
+    x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int, with_bias: bool, out: np.ndarray
+) -> None:
+    """uniform.quantize_affine with fp16 parameters, fused: each row of ``out`` [n, w + p]
+    gets its packed codes (w bytes), then its fp16 ``scale`` and, with ``with_bias``, ``bias``.
+
+    Without ``with_bias`` (symmetric) the stored scale is ``(hi - lo) / levels`` itself, as
+    ``UniformCodec.encode`` stores it, not the quantizer's (1 for an all-zero row).
+    """
+    quantize_rows(x, 0, x.shape[0], lo, hi, bits, with_bias, out)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def quantize_rows(
+    x: np.ndarray,
+    first: int,
+    stop: int,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bits: int,
+    with_bias: bool,
+    out: np.ndarray,
+) -> None:
+    """Rows ``first`` to ``stop`` of :func:`quantize_half`, each width and bias option its own
+    compiled loop: constant there, they let the compiler specialise the packing (measured 3x
+    faster than one loop over a runtime width)."""
+    if with_bias:
+        if bits == 2:
+            _quantize_span(x, first, stop, lo, hi, 2, True, out)
+        elif bits == 3:
+            _quantize_span(x, first, stop, lo, hi, 3, True, out)
+        elif bits == 4:
+            _quantize_span(x, first, stop, lo, hi, 4, True, out)
+        elif bits == 8:
+            _quantize_span(x, first, stop, lo, hi, 8, True, out)
+        else:
+            _quantize_span(x, first, stop, lo, hi, bits, True, out)
+    elif bits == 2:
+        _quantize_span(x, first, stop, lo, hi, 2, False, out)
+    elif bits == 3:
+        _quantize_span(x, first, stop, lo, hi, 3, False, out)
+    elif bits == 4:
+        _quantize_span(x, first, stop, lo, hi, 4, False, out)
+    elif bits == 8:
+        _quantize_span(x, first, stop, lo, hi, 8, False, out)
+    else:
+        _quantize_span(x, first, stop, lo, hi, bits, False, out)
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _quantize_span(
+    x: np.ndarray,
+    first: int,
+    stop: int,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bits: int,
+    with_bias: bool,
+    out: np.ndarray,
+) -> None:
+    width = (x.shape[1] * bits + 7) // 8
+    codes = np.zeros(x.shape[1] + 8, np.uint8)
+    for r in range(first, stop):
+        _quantize_row(x, r, lo[r], hi[r], bits, width, with_bias, codes, out)
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _quantize_row(
+    x: np.ndarray,
+    r: int,
+    lo: np.float32,
+    hi: np.float32,
+    bits: int,
+    width: int,
+    with_bias: bool,
+    codes: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Row ``r`` of :func:`quantize_half` (``codes``: zeroed scratch of ``cols + 8``)."""
+    cols = x.shape[1]
+    top = _F32((1 << bits) - 1)
+    bias = half_round(lo)
+    span = hi - bias
+    scale = half_round(span / top if span != 0 else _F32(1))
+    inverse = _F32(1) / scale
+    if scale == 0 or np.isinf(inverse):
+        scale = _F32(1)
+        inverse = _F32(1)
+    for j in range(cols):
+        codes[j] = np.uint8(min(max(np.rint((x[r, j] - bias) * inverse), _F32(0)), top))
+    pack_row(codes, cols, bits, out, r)
+    if with_bias:
+        _put_half(out, r, width, scale)
+        _put_half(out, r, width + 2, bias)
+    else:
+        _put_half(out, r, width, half_round((hi - lo) / top))
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _put_half(out: np.ndarray, r: int, at: int, value: np.float32) -> None:
+    half = half_bits(value)
+    out[r, at] = np.uint8(half & _U32(0xFF))
+    out[r, at + 1] = np.uint8(half >> _U32(8))
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def pack_row(codes: np.ndarray, cols: int, bits: int, out: np.ndarray, r: int) -> None:
+    """Codes (``codes`` is zero past ``cols``) into row ``r`` of ``out`` in packing.py's layout."""
+    if bits == 8:
+        for j in range(cols):
+            out[r, j] = codes[j]
+    elif bits == 4:
+        for k in range((cols + 1) // 2):
+            out[r, k] = codes[2 * k] | (codes[2 * k + 1] << 4)
+    elif bits == 2:
+        for k in range((cols + 3) // 4):
+            c = 4 * k
+            out[r, k] = codes[c] | (codes[c + 1] << 2) | (codes[c + 2] << 4) | (codes[c + 3] << 6)
+    elif bits == 3:
+        # Eight codes fill three bytes; ``codes`` is zero past ``cols``, so whole groups only.
+        width = (cols * 3 + 7) // 8
+        for g in range((cols + 7) // 8):
+            word = np.int64(0)
+            for i in range(8):
+                word |= np.int64(codes[8 * g + i]) << (3 * i)
+            for k in range(min(3, width - 3 * g)):
+                out[r, 3 * g + k] = np.uint8((word >> (8 * k)) & 0xFF)
+    else:
+        word = np.int64(0)
+        filled = 0
+        at = 0
+        for j in range(cols):
+            word |= np.int64(codes[j]) << filled
+            filled += bits
+            if filled >= 8:
+                out[r, at] = np.uint8(word & 0xFF)
+                word >>= 8
+                filled -= 8
+                at += 1
+        if filled > 0:
+            out[r, at] = np.uint8(word & 0xFF)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def dequantize(
+    fused: np.ndarray,
+    bits: int,
+    cols: int,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    wide: bool,
+    out: np.ndarray,
+) -> None:
+    """``scale * q + bias`` for the packed codes at the start of each row of ``fused``: in
+    float32 like the torch path for fp16 parameters, in float64 (``wide``) for fp32 ones."""
+    mask = (1 << bits) - 1
+    for r in range(fused.shape[0]):
+        s64 = scale[r]
+        b64 = bias[r]
+        s32 = _F32(s64)
+        b32 = _F32(b64)
+        if bits == 3:
+            _decode_threes(fused, r, cols, s64, b64, s32, b32, wide, out)
+            continue
+        for j in range(cols):
+            if bits == 8:
+                q = np.int64(fused[r, j])
+            elif bits == 4:
+                q = np.int64(fused[r, j >> 1] >> ((j & 1) * 4)) & 15
+            elif bits == 2:
+                q = np.int64(fused[r, j >> 2] >> ((j & 3) * 2)) & 3
+            else:
+                at = j * bits
+                byte = at >> 3
+                shift = at & 7
+                q = np.int64(fused[r, byte]) >> shift
+                if shift + bits > 8:
+                    q |= np.int64(fused[r, byte + 1]) << (8 - shift)
+                q &= mask
+            if wide:
+                out[r, j] = _F32(np.float64(q) * s64 + b64)
+            else:
+                out[r, j] = _F32(q) * s32 + b32
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _decode_threes(
+    fused: np.ndarray,
+    r: int,
+    cols: int,
+    s64: np.float64,
+    b64: np.float64,
+    s32: np.float32,
+    b32: np.float32,
+    wide: bool,
+    out: np.ndarray,
+) -> None:
+    """:func:`dequantize` of one row of 3-bit codes, eight at a time."""
+    whole = cols // 8
+    for g in range(whole):
+        # Three bytes hold eight 3-bit codes.
+        word = (
+            np.int64(fused[r, 3 * g])
+            | (np.int64(fused[r, 3 * g + 1]) << 8)
+            | (np.int64(fused[r, 3 * g + 2]) << 16)
+        )
+        for i in range(8):
+            q = (word >> (3 * i)) & 7
+            if wide:
+                out[r, 8 * g + i] = _F32(np.float64(q) * s64 + b64)
+            else:
+                out[r, 8 * g + i] = _F32(q) * s32 + b32
+    for j in range(8 * whole, cols):
+        at = 3 * j
+        q = np.int64(fused[r, at >> 3]) >> (at & 7)
+        if (at & 7) > 5:
+            q |= np.int64(fused[r, (at >> 3) + 1]) << (8 - (at & 7))
+        q &= 7
+        if wide:
+            out[r, j] = _F32(np.float64(q) * s64 + b64)
+        else:
+            out[r, j] = _F32(q) * s32 + b32
