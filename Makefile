@@ -2,6 +2,9 @@
 # (scripts/setup.sh returns at once when .venv is already complete).
 PY := .venv/bin/python
 export LOCAL_WORLD_SIZE ?= 2
+# pytest workers: one per core and one more, which runs while the others' ranks wait on each
+# other (measured on 2 cores: 3 workers 313 s, 2 workers 337 s, none 383 s).
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 
 .PHONY: setup demo test lint
 
@@ -17,4 +20,4 @@ lint: setup
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

@@ -1,8 +1,8 @@
 """Merging a checkpoint chain: exactness and bytes, per codec.
 
-For each codec (and entropy stage), 2 gloo ranks train the demo workload of
-``configs/demo.yaml`` (26 Criteo-shaped tables, one of every sharding type, row-wise Adagrad)
-and write an incremental chain: a full checkpoint, then ``--diffs`` diffs, one every
+For each codec (and entropy stage), 2 gloo ranks train the small workload of
+``configs/bench_small.yaml`` (26 Criteo-shaped tables, one of every sharding type, row-wise
+Adagrad) and write an incremental chain: a full checkpoint, then ``--diffs`` diffs, one every
 ``--every`` steps. Both ranks restore the chain head and copy every value they restored
 (weights, row-wise and element-wise optimizer states, dense state); rank 0 merges the head
 (``embckpt.read.merge.merge``); both restore the merged step and compare. Reports per codec:
@@ -13,7 +13,7 @@ time; beside them ``chain_vs_trained``, the largest difference between the train
 its restore (the codec's own loss, which merging must not add to; it shows the comparison can
 see a difference). Writes ``benchmarks/results/merge.json``.
 
-Run: ``.venv/bin/python benchmarks/merge.py [--config configs/demo.yaml]``
+Run: ``.venv/bin/python benchmarks/merge.py [--config configs/bench_small.yaml]``
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _worker(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--config", default="configs/bench_small.yaml")
     parser.add_argument("--every", type=int, default=5, help="training steps between saves")
     parser.add_argument("--diffs", type=int, default=4, help="diffs after the full checkpoint")
     args = parser.parse_args()

@@ -1,10 +1,11 @@
 """Soak: hundreds of checkpoints with restores in between, every one verified.
 
-Trains the demo workload (``configs/demo.yaml``) on 2 gloo ranks and checkpoints at every step
-(one-shot diffs, a full every 10, keeping the last 3 chains' worth). Every ``--restore-every``
-checkpoints it verifies the whole directory (sizes, SHA-256, manifests, chains), restores the
-latest checkpoint into the live model and checks that every weight and optimizer value equals
-what the model held when that checkpoint was taken. Writes ``benchmarks/results/soak.json``.
+Trains a small Criteo-schema workload (``configs/bench_small.yaml``) on 2 gloo ranks and
+checkpoints at every step (one-shot diffs, a full every 10, keeping the last 3 chains' worth).
+Every ``--restore-every`` checkpoints it verifies the whole directory (sizes, SHA-256,
+manifests, chains), restores the latest checkpoint into the live model and checks that every
+weight and optimizer value equals what the model held when that checkpoint was taken.
+Writes ``benchmarks/results/soak.json``.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _worker(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--config", default="configs/bench_small.yaml")
     parser.add_argument("--checkpoints", type=int, default=300)
     parser.add_argument("--restore-every", type=int, default=20)
     args = parser.parse_args()

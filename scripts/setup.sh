@@ -30,6 +30,9 @@ fi
 $PIP --no-deps "$(pin torchrec)"
 $PIP -r "$REQ"
 $PIP -e '.[plots,kmeans,test]'
+# numba compiles the codecs' kernels at their first call, minutes of CPU from a cold cache, in
+# every process that finds them missing: compile them once, here, into numba's disk cache.
+"$VENV/bin/python" -m embckpt.codecs.precompile
 rm -f "$VENV"/.embckpt-setup-*
 touch "$STAMP"
 echo "setup: $VENV ready"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from embckpt import CheckpointStore
 from embckpt.config import load_yaml
 from embckpt.data import ResumableSampler
 from embckpt.errors import ConfigError
@@ -26,8 +27,10 @@ from embckpt.examples.model import (
 )
 from embckpt.examples.synthetic import make_synthetic_dataset
 from embckpt.examples.workload import DemoConfig, WorkloadConfig
+from embckpt.report import build_report
 
 DEMO_YAML = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+README = Path(__file__).resolve().parents[1] / "README.md"
 SMALL = WorkloadConfig(num_samples=20000)
 
 
@@ -286,18 +289,43 @@ def test_demo_hides_only_the_known_third_party_warnings(caplog: pytest.LogCaptur
                 logger.removeFilter(added)
 
 
+def _small_demo_yaml(tmp_path: Path, **workload: object) -> Path:
+    """configs/demo.yaml with its tables a hundredth of their size (at least 3 rows) and a
+    short synthetic log, so that the demo runs in seconds; ``workload`` overrides more."""
+    import yaml
+
+    settings = yaml.safe_load(DEMO_YAML.read_text())
+    rows = settings["workload"]["cardinalities"]
+    settings["workload"].update(
+        cardinalities=[max(3, r // 100) for r in rows], num_samples=8192, **workload
+    )
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def test_demo_config_is_criteo_shaped_and_changes_a_few_percent_per_interval() -> None:
+    """The demo's tables: a few of 10^5 to 10^6 rows beside small ones, with skewed ids, so
+    that one interval between checkpoints looks up a few percent of all rows."""
+    demo = load_yaml(DEMO_YAML, DemoConfig)
+    rows = np.array(demo.workload.cardinalities)
+    assert len(rows) == 26 and 3 <= ((rows >= 10**5) & (rows <= 10**6)).sum() <= 5
+    assert rows.max() <= 10**6 and (rows < 10**4).sum() >= 20
+    data = make_synthetic_dataset(demo.workload, num_samples=4 * 2 * 2048)
+    samples = demo.workload.batch_size * demo.world_size * demo.checkpoint_every
+    ids = data.sparse[:samples]
+    touched = sum(len(np.unique(ids[:, f])) for f in range(len(rows)))
+    assert 0.01 <= touched / rows.sum() <= 0.05, touched / rows.sum()
+
+
 @pytest.mark.timeout(900)  # five sets of two ranks start one after the other
 def test_demo_runs_both_settings_side_by_side(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     """A short demo: the configured lossless run and the headline run are killed at the same
     step and restored; the lossless one ends exactly where the uninterrupted run does."""
     from embckpt.examples.demo import HEADLINE_DIR, run_demo
 
-    config = tmp_path / "demo.yaml"
-    config.write_text(
-        DEMO_YAML.read_text().replace("workload:\n", "workload:\n  num_samples: 8192\n")
-    )
     out = tmp_path / "out"
-    assert run_demo(str(config), str(out), steps=30, kill_at=[15]) == 0
+    assert run_demo(str(_small_demo_yaml(tmp_path)), str(out), steps=30, kill_at=[15]) == 0
     captured = capfd.readouterr()  # the ranks' output too: they write to the same descriptors
     text = captured.out
     assert text.count("phase 1: workers died at step 15") == 2
@@ -307,18 +335,44 @@ def test_demo_runs_both_settings_side_by_side(tmp_path: Path, capfd: pytest.Capt
     assert "[Connection]" not in captured.err and "is_fx_tracing" not in captured.err
     table = text[text.index("side by side:") :].splitlines()
     lossless, headline, reference = table[2:5]
-    assert lossless.startswith("one_shot, raw ") and lossless.endswith(" identical"), table
+    assert lossless.startswith("intermittent, raw ") and lossless.endswith(" identical"), table
     assert headline.startswith("intermittent, adaptive 4-bit "), table
     assert reference.startswith("uninterrupted, no checkpoint "), table
 
-    def figures(line: str) -> tuple[float, float]:
-        """(ratio against full fp32, AUC) of one line of the table."""
-        match = re.search(r" (\d+\.\d\d)x +(\d\.\d{4})(?:  |$)", line)
+    def figures(line: str) -> tuple[int, float, float]:
+        """(full checkpoints, ratio against full fp32, AUC) of one line of the table."""
+        match = re.search(r" (\d+) of 3 .* (\d+\.\d\d)x +(\d\.\d{4})(?:  |$)", line)
         assert match, line
-        return float(match.group(1)), float(match.group(2))
+        return int(match.group(1)), float(match.group(2)), float(match.group(3))
 
-    assert figures(lossless)[1] == float(reference.split()[-1])
-    assert figures(headline)[0] > 1.5 * figures(lossless)[0], table
+    assert figures(lossless)[2] == float(reference.split()[-1])
+    assert figures(headline)[1] > 1.5 * figures(lossless)[1], table
+    # The figures printed are the ones the report measures on the files.
+    for line, folder in ((lossless, out), (headline, out / HEADLINE_DIR)):
+        totals = build_report(CheckpointStore(folder), progress=False)["totals"]
+        assert figures(line)[0] == totals["full_checkpoints"], (line, totals)
+        assert f"{totals['ratio_vs_full_fp32']:.2f}x" in line, (line, totals)
     for folder in (out, out / HEADLINE_DIR):
         assert (folder / "report.png").stat().st_size > 0
+        assert (folder / "report.html").stat().st_size > 0
         assert (folder / "step_000000000030" / "MANIFEST.json").is_file()
+    closing = text[text.index("where to look next:") :]
+    assert f"embckpt report {out / HEADLINE_DIR}" in closing
+    assert f"embckpt inspect {out / HEADLINE_DIR}" in closing
+    section = re.search(r'README.md, section "([^"]+)"', closing)
+    assert section and f"### {section.group(1)}\n" in README.read_text(), closing
+    assert re.search(r"demo done in \d+s", text)
+
+
+def test_a_worker_that_raises_stops_the_demo_with_its_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """A worker's error is never taken for the planned kill: the demo stops at once, exit 1,
+    with the worker's traceback."""
+    from embckpt.examples.demo import run_demo
+
+    config = _small_demo_yaml(tmp_path, data_path=str(tmp_path / "no_such_log.tsv"))
+    assert run_demo(str(config), str(tmp_path / "out"), steps=30, kill_at=[15]) == 1
+    err = capfd.readouterr().err
+    assert "embckpt demo failed: intermittent, raw, phase 1: a worker failed" in err, err
+    assert "no_such_log.tsv" in err and "Traceback" in err, err

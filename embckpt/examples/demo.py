@@ -4,11 +4,12 @@ checkpoints, start new workers that restore and finish, then report what checkpo
 This is the failure a checkpointer exists for, done for real: the first workers die by SIGKILL
 (no clean-up runs), and the second set of processes knows nothing but the checkpoint directory.
 
-The configured run (``configs/demo.yaml``: lossless one-shot diffs) is followed by the same run,
-killed at the same steps, with the setting the project is for (``HEADLINE``: the intermittent
-policy and adaptive 4-bit rows), and by one uninterrupted run without checkpoints. The demo ends
-with both settings side by side: bytes against full fp32 checkpoints, and final AUC against the
-uninterrupted run's.
+The configured run (``configs/demo.yaml``: Criteo-shaped tables of up to 600k rows with skewed
+ids, lossless rows under the intermittent policy) is followed by the same run, killed at the
+same steps, with the setting the project is for (``HEADLINE``: the intermittent policy and
+adaptive 4-bit rows), and by one uninterrupted run without checkpoints. The demo ends with both
+settings side by side: full checkpoints among all, bytes against full fp32 checkpoints, and
+final AUC against the uninterrupted run's; then where to look next.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +31,7 @@ import numpy as np
 from embckpt import CheckpointConfig, CheckpointStore, load_yaml, verify
 from embckpt.examples.launcher import RankFailed, rank_device, run_ranks
 from embckpt.examples.workload import DemoConfig
-from embckpt.report import build_report, format_bytes, format_table, render_png, write_html
+from embckpt.report import build_report, format_bytes, render_png, write_html
 
 HOLDOUT_FRACTION = 0.1
 REPORT_FILES = ("report.png", "report.html")  # written next to the checkpoints
@@ -102,10 +104,16 @@ def load_dataset(cfg: DemoConfig) -> Any:
 
 
 def train_worker(
-    rank: int, world_size: int, cfg: DemoConfig, out: str | None, kill_at: int | None
+    rank: int,
+    world_size: int,
+    cfg: DemoConfig,
+    out: str | None,
+    kill_at: int | None,
+    label: str = "train",
 ) -> dict:
     """One rank of the demo: restore if there is a checkpoint, train, checkpoint, maybe die.
-    Without ``out`` it trains from scratch to the end and saves nothing (the reference run)."""
+    Without ``out`` it trains from scratch to the end and saves nothing (the reference run).
+    Rank 0 shows a progress bar named ``label`` on a terminal."""
     from embckpt import Checkpointer, ResumableSampler
     from embckpt.examples.model import build_model, evaluate, make_batch, train_step
 
@@ -129,14 +137,23 @@ def train_worker(
     restored = ckpt.restore() if ckpt else None
     losses = []
     started = time.perf_counter()
+    bar = _progress_bar(label, restored or 0, cfg.steps) if rank == 0 else None
     for step in range((restored or 0) + 1, cfg.steps + 1):
         losses.append(
             train_step(model, optimizer, make_batch(dataset, next(sampler), workload, device))
         )
         if ckpt and step % cfg.checkpoint_every == 0:
             ckpt.save(step).wait()
+            if bar is not None:
+                bar.set_postfix_str(f"saved step {step}", refresh=False)
+        if bar is not None:
+            bar.update()
         if step == kill_at:
+            if bar is not None:
+                bar.close()  # ends the bar's line: the process dies without clean-up
             os.kill(os.getpid(), signal.SIGKILL)
+    if bar is not None:
+        bar.close()
     if ckpt:
         ckpt.close()
     metrics = evaluate(model, dataset, holdout, workload, device)
@@ -147,6 +164,16 @@ def train_worker(
         "final_loss": float(np.mean(losses[-10:])) if losses else None,
         **metrics,
     }
+
+
+def _progress_bar(label: str, done: int, steps: int) -> Any:
+    """A bar of training steps on stderr, shown on a terminal only (tqdm's ``disable=None``),
+    starting at the restored step."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=steps, initial=done, desc=label, unit="step", disable=None, dynamic_ncols=True
+    )
 
 
 def _prepare_out(out: Path) -> None:
@@ -189,11 +216,13 @@ def run_demo(
     failures: int | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> int:
-    """Runs the whole demo and prints its report; returns the process exit code.
+    """Runs the whole demo and prints its report; returns the process exit code (1: a
+    checkpoint failed to verify, or a worker failed; its traceback is printed on stderr).
 
     ``overrides`` replaces fields of the config's ``checkpoint`` section (policy, codec, bits).
     The headline setting runs second unless the configured run already uses it.
     """
+    started = time.perf_counter()
     cfg = load_yaml(config_path, DemoConfig) if config_path else DemoConfig()
     cfg = dataclasses.replace(
         cfg,
@@ -207,42 +236,63 @@ def run_demo(
     kills = kill_steps(cfg, kill_at, failures)
     out_path = Path(out)
     _prepare_out(out_path)
+    workload = cfg.workload
     print(
-        f"embckpt demo: {cfg.world_size} ranks, {cfg.steps} steps, checkpoint every {every} "
-        f"({cfg.checkpoint.policy}, full every {cfg.checkpoint.full_every}, codec "
-        f"{cfg.checkpoint.codec}), checkpoints in {out_path}"
+        f"embckpt demo: DLRM with {len(workload.cardinalities)} tables, "
+        f"{sum(workload.cardinalities):,} rows of {workload.embedding_dim} columns "
+        f"(largest {max(workload.cardinalities):,}), Zipf {workload.zipf_alpha} ids; "
+        f"{cfg.world_size} ranks, {cfg.steps} steps, a checkpoint every {every}; "
+        f"checkpoints in {out_path}"
     )
     print(f"workers will be killed (SIGKILL) at steps {kills}, restarted and restored each time")
-    runs = [_run_killed(cfg, out_path, kills)]
-    summary = runs[0]["report"]
-    print()
-    print(format_table(summary))
-    print(f"figures: {out_path / REPORT_FILES[0]}, page: {out_path / REPORT_FILES[1]}")
-    checks = [verify(CheckpointStore(out_path))]
-    print(
-        f"verify: {'OK' if checks[0].ok else 'FAILED'} ({len(checks[0].checked)} checkpoints, "
-        f"{checks[0].files_checked} files)"
-    )
-
     headline = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **HEADLINE))
+    settings = [(cfg, out_path)]
     if headline.checkpoint != cfg.checkpoint:
-        print(
-            f"\nthe same run with the headline setting ({_setting(headline.checkpoint)}), "
-            f"killed at the same steps; checkpoints in {out_path / HEADLINE_DIR}"
-        )
-        runs.append(_run_killed(headline, out_path / HEADLINE_DIR, kills))
-        checks.append(verify(CheckpointStore(out_path / HEADLINE_DIR)))
-        print(
-            f"verify: {'OK' if checks[1].ok else 'FAILED'} ({len(checks[1].checked)} "
-            f"checkpoints, {checks[1].files_checked} files)"
-        )
-    print("\nthe uninterrupted run: same data and seed, no failure, no checkpoint")
-    reference = run_ranks(train_worker, cfg.world_size, cfg, None, None)[0]
+        settings.append((headline, out_path / HEADLINE_DIR))
+    runs, checks = [], []
+    try:
+        for number, (setting_cfg, folder) in enumerate(settings):
+            if number:
+                name = _setting(setting_cfg.checkpoint)
+                print(
+                    f"\nthe same run with the headline setting ({name}), killed at the same "
+                    f"steps; checkpoints in {folder}"
+                )
+            else:
+                print(f"\n{_setting(cfg.checkpoint)}: checkpoints in {folder}")
+            runs.append(_run_killed(setting_cfg, folder, kills))
+            checks.append(verify(CheckpointStore(folder)))
+            print(
+                f"verify: {'OK' if checks[-1].ok else 'FAILED'} ({len(checks[-1].checked)} "
+                f"checkpoints, {checks[-1].files_checked} files)"
+            )
+        print("\nthe uninterrupted run: same data and seed, no failure, no checkpoint")
+        reference = run_ranks(
+            train_worker, cfg.world_size, cfg, None, None, "uninterrupted, no checkpoint"
+        )[0]
+    except (DemoFailed, RankFailed) as exc:
+        print(f"embckpt demo failed: {exc}", file=sys.stderr)
+        return 1
     print(f"holdout AUC {reference['auc']:.4f}, log loss {reference['logloss']:.4f}")
     print()
     for line in _side_by_side(runs, reference, kills):
         print(line)
+    print(f"\ndemo done in {time.perf_counter() - started:.0f}s")
+    for line in _where_next(runs[-1]["out"]):
+        print(line)
     return 0 if all(check.ok for check in checks) else 1
+
+
+def _where_next(folder: Path) -> list[str]:
+    """The closing lines: where each finding of the demo can be looked at again."""
+    return [
+        "where to look next:",
+        f"  embckpt report {folder}     every checkpoint's bytes, kind and why "
+        f"(picture: {folder / REPORT_FILES[0]}, page: {folder / REPORT_FILES[1]})",
+        f"  embckpt inspect {folder}    the chain, tables and shards of each checkpoint",
+        '  README.md, section "What the demo shows": how to read this table, and how to use '
+        "embckpt in your own job",
+    ]
 
 
 def _setting(config: CheckpointConfig) -> str:
@@ -253,13 +303,21 @@ def _setting(config: CheckpointConfig) -> str:
 
 def _run_killed(cfg: DemoConfig, out: Path, kills: list[int]) -> dict[str, Any]:
     """Trains with checkpoints in ``out``, SIGKILLing every worker at each step of ``kills``
-    and restoring in fresh processes; returns rank 0's results and the directory's report."""
+    and restoring in fresh processes; returns rank 0's results and the directory's report.
+
+    A phase must end the way it was meant to: its workers killed at its step (the launcher
+    sees every rank die by a signal), or the run finished. A worker that raised stops the demo
+    with its traceback: an error is never taken for the planned kill."""
     store = CheckpointStore(out)
     results: list[dict] = []
+    setting = _setting(cfg.checkpoint)
     for phase, kill in enumerate([*kills, None], start=1):
+        label = f"{setting}: phase {phase}" + (f", killed at {kill}" if kill else "")
         try:
-            results = run_ranks(train_worker, cfg.world_size, cfg, str(out), kill)
+            results = run_ranks(train_worker, cfg.world_size, cfg, str(out), kill, label)
         except RankFailed as exc:
+            if kill is None or not str(exc).startswith("ranks died"):
+                raise DemoFailed(f"{setting}, phase {phase}: a worker failed\n{exc}") from exc
             print(
                 f"phase {phase}: workers died at step {kill} ({str(exc).splitlines()[0]}); "
                 f"committed checkpoints: {store.committed_steps()}"
@@ -279,28 +337,55 @@ def _run_killed(cfg: DemoConfig, out: Path, kills: list[int]) -> dict[str, Any]:
     png = render_png(report)
     (out / REPORT_FILES[0]).write_bytes(png)
     write_html(report, png, out / REPORT_FILES[1])
-    return {"setting": _setting(cfg.checkpoint), "result": first, "report": report}
+    for line in _checkpoint_lines(report):
+        print(line)
+    print(f"report: {out / REPORT_FILES[0]} (picture), {out / REPORT_FILES[1]} (page)")
+    return {"setting": setting, "result": first, "report": report, "out": out}
+
+
+def _checkpoint_lines(report: dict[str, Any]) -> list[str]:
+    """Each checkpoint of a run in one line: kind, what it builds on, the rows it holds and
+    their share of all rows (``dirty``), and its bytes against a full fp32 checkpoint (the
+    first section of ``embckpt report``)."""
+    lines = [f"{'step':>6} {'kind':<5} {'parent':>6} {'rows':>9} {'dirty':>7} {'bytes':>9} vs fp32"]
+    for row in report["checkpoints"]:
+        parent = "-" if row["parent_step"] is None else str(row["parent_step"])
+        ratio = row["ratio_vs_full_fp32"]
+        lines.append(
+            f"{row['step']:>6} {row['kind']:<5} {parent:>6} {row['rows']:>9,} "
+            f"{(row['dirty_fraction'] or 0) * 100:>6.1f}% {format_bytes(row['bytes']):>9} "
+            f"{'-' if ratio is None else f'{ratio:.1f}x'}"
+        )
+    return lines
+
+
+class DemoFailed(RuntimeError):
+    """A demo worker raised instead of dying where the demo kills it."""
 
 
 def _side_by_side(runs: list[dict[str, Any]], reference: dict, kills: list[int]) -> list[str]:
-    """The demo's last lines: each setting's bytes against full fp32 checkpoints (the same
-    files in fp32, as the report counts them) and its final AUC against the uninterrupted run."""
+    """The demo's last lines: each setting's full checkpoints among all, its bytes against full
+    fp32 checkpoints (the same files in fp32, as the report counts them; the ratio is the
+    report's, measured on the files written) and its final AUC against the uninterrupted run."""
     lines = [
         f"side by side: killed at steps {kills} and restored, against full fp32 checkpoints "
         "and the uninterrupted run",
-        f"{'setting':<30} {'written':>9} {'full fp32':>9} {'less':>7} {'AUC':>7}  vs uninterrupted",
+        f"{'setting':<30} {'fulls':>7} {'written':>9} {'full fp32':>9} {'less':>7} {'AUC':>7}  "
+        "vs uninterrupted",
     ]
     for run in runs:
         totals, auc = run["report"]["totals"], run["result"]["auc"]
         delta = (
             "identical" if auc == reference["auc"] else f"{(auc - reference['auc']) * 100:+.2f} pp"
         )
+        fulls = f"{totals['full_checkpoints']} of {totals['checkpoints']}"
         lines.append(
-            f"{run['setting']:<30} {format_bytes(totals['bytes_written']):>9} "
+            f"{run['setting']:<30} {fulls:>7} {format_bytes(totals['bytes_written']):>9} "
             f"{format_bytes(totals['full_fp32_bytes_written']):>9} "
             f"{totals['ratio_vs_full_fp32'] or 0:>6.2f}x {auc:>7.4f}  {delta}"
         )
     lines.append(
-        f"{'uninterrupted, no checkpoint':<30} {'-':>9} {'-':>9} {'-':>7} {reference['auc']:>7.4f}"
+        f"{'uninterrupted, no checkpoint':<30} {'-':>7} {'-':>9} {'-':>9} {'-':>7} "
+        f"{reference['auc']:>7.4f}"
     )
     return lines

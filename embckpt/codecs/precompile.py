@@ -1,0 +1,131 @@
+"""Compiles every numba kernel of the codecs once, ahead of their first use.
+
+Why: numba compiles a kernel at its first call and keeps the machine code in its disk cache
+(``cache=True``, in ``__pycache__`` beside the source). Compiling the quantizing codecs'
+kernels from a cold cache costs minutes of CPU (about a minute each for the adaptive range
+search and the uniform quantizer on a 2-core machine), and every process that finds the cache
+cold compiles them on its own: each rank of a demo at its first save, each test process at its
+first encode. ``scripts/setup.sh`` runs this module once after installing embckpt
+(``python -m embckpt.codecs.precompile``), so that the first demo and the first test run find
+the cache warm. A process that finds the cache warm loads a kernel in milliseconds.
+
+The work is split by kernel, so that no two processes compile the same one, and the parts run
+in parallel processes (numba holds the GIL while it compiles). Each part calls the codecs
+through their public API with small batches of the dtypes and layouts real rows have, which
+compiles exactly the signatures checkpoints use (tests/test_precompile.py checks that every
+kernel the codecs call is compiled by a part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+_ROWS, _COLS = 257, 16  # an odd row count: the tail paths of the packing loops too
+_BITS = (2, 3, 4, 8)
+
+
+def _rows(seed: int = 0) -> torch.Tensor:
+    return torch.randn(_ROWS, _COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _round_trip(name: str, options: dict) -> None:
+    """Encodes a batch with codec ``name`` and decodes it, into a new array and in place."""
+    from embckpt.codecs import make_codec
+
+    codec = make_codec(name, options)
+    encoded = codec.encode(_rows())
+    codec.decode(encoded, _COLS)
+    decode_into = getattr(codec, "decode_into", None)
+    if decode_into is not None:
+        decode_into(encoded, _COLS, np.empty((_ROWS, _COLS), dtype=np.float32))
+
+
+def compile_adaptive_search() -> None:
+    """The range search, fused (fp16 parameters) and ranges only (fp32 parameters)."""
+    for bits in _BITS:
+        for param_dtype in ("float16", "float32"):
+            _encode_only("adaptive", {"bits": bits, "param_dtype": param_dtype, "entropy": "none"})
+
+
+def _encode_only(name: str, options: dict) -> None:
+    from embckpt.codecs import make_codec
+
+    make_codec(name, options).encode(_rows())
+
+
+def compile_uniform() -> None:
+    """Quantize, pack and decode (fp16 and fp32 parameters, with and without a bias), and the
+    delta codec's narrower widths."""
+    for bits in _BITS:
+        for name in ("asymmetric", "symmetric"):
+            for param_dtype in ("float16", "float32"):
+                _round_trip(name, {"bits": bits, "param_dtype": param_dtype, "entropy": "none"})
+    from embckpt.codecs import make_codec
+
+    delta = make_codec("delta", {"inner": {"id": "adaptive", "bits": 4}})
+    reference = _rows(1)
+    encoded = delta.encode_delta(reference + 0.01 * _rows(2), reference)
+    delta.decode(encoded, _COLS)
+
+
+def compile_kmeans_and_huffman() -> None:
+    """k-means rows, codebook sums and packing; Huffman histograms, encode and decode."""
+    from embckpt.errors import import_extra
+
+    try:
+        import_extra("sklearn.cluster", "kmeans")
+    except ImportError:
+        pass  # without the extra, kmeans never runs: nothing of it to compile
+    else:
+        for bits in _BITS:
+            _round_trip("kmeans", {"bits": bits, "entropy": "none"})
+    for bits in (4, 8):
+        _round_trip("asymmetric", {"bits": bits, "entropy": "huffman"})
+
+
+#: Parts, longest first: each compiles kernels no other part does.
+PARTS: dict[str, Callable[[], None]] = {
+    "adaptive search": compile_adaptive_search,
+    "uniform quantize, pack, decode": compile_uniform,
+    "k-means and Huffman": compile_kmeans_and_huffman,
+}
+
+
+def _run_part(name: str) -> tuple[str, float]:
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    PARTS[name]()
+    return name, time.perf_counter() - started
+
+
+def precompile(workers: int | None = None) -> dict[str, float]:
+    """Runs every part, ``workers`` processes at a time (default: one per core, at most one
+    per part); returns each part's seconds."""
+    workers = workers or min(len(PARTS), os.cpu_count() or 1)
+    if workers == 1:
+        return dict(_run_part(name) for name in PARTS)
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return dict(pool.map(_run_part, PARTS))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    seconds = precompile(args.workers)
+    parts = ", ".join(f"{name} {s:.1f}s" for name, s in seconds.items())
+    print(f"embckpt: codec kernels compiled in {time.perf_counter() - started:.0f}s ({parts})")
+
+
+if __name__ == "__main__":
+    main()
