@@ -188,6 +188,12 @@ def encode_rows(
     return offsets, out[:total]
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def decode_rows(
     buffer: np.ndarray, offsets: np.ndarray, tables: Sequence[str], column_tables: np.ndarray
 ) -> np.ndarray:
@@ -207,7 +213,9 @@ def decode_rows(
     if offsets[0] < 0 or offsets[-1] > len(buffer) or np.any(np.diff(offsets) < 0):
         raise CodecError("Huffman row offsets fall outside their buffer")
     table, base = _stacked(_decode_table, tables, column_tables)
-    buffer = np.ascontiguousarray(buffer, dtype=np.uint8)
+    # Read-only, as Arrow's buffers are: one compiled signature for every caller (numba
+    # compiles a writable and a read-only array apart; precompile.py compiles this one).
+    buffer = _read_only(np.ascontiguousarray(buffer, dtype=np.uint8))
     # The kernel reads unchecked: rows too close to the buffer's end decode from a padded copy
     # of the last rows' bytes.
     span = huffman_kernels.read_span(len(column_tables))
@@ -217,6 +225,7 @@ def decode_rows(
         start = int(offsets[fast])
         tail = np.zeros(int(offsets[-1]) - start + span, dtype=np.uint8)
         tail[: len(tail) - span] = buffer[start : offsets[-1]]
+        tail = _read_only(tail)
         bad |= huffman_kernels.decode(tail, offsets[fast:] - start, table, base, out[fast:]) >= 0
     if bad:
         raise CodecError("a Huffman-coded row is truncated or holds no code of its table")

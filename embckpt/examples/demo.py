@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -171,6 +172,9 @@ def _progress_bar(label: str, done: int, steps: int) -> Any:
     starting at the restored step."""
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing semaphore, which the demo's SIGKILL would leave
+    # registered (a "leaked semaphore" warning at exit): one bar needs a thread lock only.
+    tqdm.set_lock(threading.RLock())
     return tqdm(
         total=steps, initial=done, desc=label, unit="step", disable=None, dynamic_ncols=True
     )
