@@ -241,10 +241,11 @@ def run_demo(
     out_path = Path(out)
     _prepare_out(out_path)
     workload = cfg.workload
+    data = f"data {workload.data_path}" if workload.data_path else f"Zipf {workload.zipf_alpha} ids"
     print(
         f"embckpt demo: DLRM with {len(workload.cardinalities)} tables, "
         f"{sum(workload.cardinalities):,} rows of {workload.embedding_dim} columns "
-        f"(largest {max(workload.cardinalities):,}), Zipf {workload.zipf_alpha} ids; "
+        f"(largest {max(workload.cardinalities):,}), {data}; "
         f"{cfg.world_size} ranks, {cfg.steps} steps, a checkpoint every {every}; "
         f"checkpoints in {out_path}"
     )
