@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export LOCAL_WORLD_SIZE ?= 2
 # pytest workers: one per core and one more, which runs while the others' ranks wait on each
 # other; each test file stays on one worker, so a module's fixture is built once. Measured on a
-# fresh clone on 2 cores: one process 365 s, 3 workers 240 s and 270 s (two runs).
+# fresh clone on 2 cores: one process 365 s, 3 workers 240 to 270 s (four runs).
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 
 .PHONY: setup demo test lint
