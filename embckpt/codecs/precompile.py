@@ -28,6 +28,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from embckpt.codecs import make_codec
+from embckpt.errors import import_extra
+
 _ROWS, _COLS = 257, 16  # an odd row count: the tail paths of the packing loops too
 _BITS = (2, 3, 4, 8)
 
@@ -38,8 +41,6 @@ def _rows(seed: int = 0) -> torch.Tensor:
 
 def _round_trip(name: str, options: dict) -> None:
     """Encodes a batch with codec ``name`` and decodes it, into a new array and in place."""
-    from embckpt.codecs import make_codec
-
     codec = make_codec(name, options)
     encoded = codec.encode(_rows())
     codec.decode(encoded, _COLS)
@@ -49,16 +50,12 @@ def _round_trip(name: str, options: dict) -> None:
 
 
 def compile_adaptive_search() -> None:
-    """The range search, fused (fp16 parameters) and ranges only (fp32 parameters)."""
+    """The range search, fused (fp16 parameters) and ranges only (fp32 parameters); encoding
+    alone (decoding is the uniform part's)."""
     for bits in _BITS:
         for param_dtype in ("float16", "float32"):
-            _encode_only("adaptive", {"bits": bits, "param_dtype": param_dtype, "entropy": "none"})
-
-
-def _encode_only(name: str, options: dict) -> None:
-    from embckpt.codecs import make_codec
-
-    make_codec(name, options).encode(_rows())
+            options = {"bits": bits, "param_dtype": param_dtype, "entropy": "none"}
+            make_codec("adaptive", options).encode(_rows())
 
 
 def compile_uniform() -> None:
@@ -68,8 +65,6 @@ def compile_uniform() -> None:
         for name in ("asymmetric", "symmetric"):
             for param_dtype in ("float16", "float32"):
                 _round_trip(name, {"bits": bits, "param_dtype": param_dtype, "entropy": "none"})
-    from embckpt.codecs import make_codec
-
     delta = make_codec("delta", {"inner": {"id": "adaptive", "bits": 4}})
     reference = _rows(1)
     encoded = delta.encode_delta(reference + 0.01 * _rows(2), reference)
@@ -78,8 +73,6 @@ def compile_uniform() -> None:
 
 def compile_kmeans_and_huffman() -> None:
     """k-means rows, codebook sums and packing; Huffman histograms, encode and decode."""
-    from embckpt.errors import import_extra
-
     try:
         import_extra("sklearn.cluster", "kmeans")
     except ImportError:
