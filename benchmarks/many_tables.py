@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import build_workload, dcp_save, dcp_state, spread, write_result  # noqa: E402
 
 from embckpt.config import CheckpointConfig  # noqa: E402
+from embckpt.cores import writer_threads  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
 
@@ -119,7 +120,9 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         saves: dict[str, Callable[[], Any]] = {
             "ours_save": lambda s=step: checkpointers["ours_save"].save(s).wait(),
             "ours_unpacked_save": lambda s=step: checkpointers["ours_unpacked_save"].save(s).wait(),
-            "dcp_save": lambda d=dcp_dir: dcp_save(dcp_state(model, optimizer), d, base.io_threads),
+            "dcp_save": lambda d=dcp_dir: dcp_save(
+                dcp_state(model, optimizer), d, writer_threads(base.io_threads)
+            ),
         }
         for name in SAVES[turn % 3 :] + SAVES[: turn % 3]:
             manifest = timed(name, saves[name])

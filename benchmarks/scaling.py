@@ -86,7 +86,7 @@ def parse_rows(text: str) -> int:
     return int(text)
 
 
-def model_config(rows: int, budget: int, threads: int) -> DemoConfig:
+def model_config(rows: int, budget: int, threads: int | None) -> DemoConfig:
     """The scaling model: ``rows`` in all over :data:`TABLES` equal row-wise tables."""
     workload = WorkloadConfig(
         cardinalities=(rows // TABLES,) * TABLES,

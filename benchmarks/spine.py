@@ -41,6 +41,7 @@ from common import (  # noqa: E402
 )
 
 from embckpt.config import load_yaml  # noqa: E402
+from embckpt.cores import writer_threads  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig  # noqa: E402
 
@@ -119,7 +120,9 @@ def _interleaved_worker(rank: int, world_size: int, cfg: DemoConfig, root: str) 
             started = time.perf_counter()
             if name == "dcp":
                 path = f"{root}/dcp/step_{step}"
-                dcp_save(dcp_state(model, optimizer), path, cfg.checkpoint.io_threads)
+                dcp_save(
+                    dcp_state(model, optimizer), path, writer_threads(cfg.checkpoint.io_threads)
+                )
                 dist.barrier()
                 entry = {
                     "step": step,

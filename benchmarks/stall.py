@@ -5,6 +5,9 @@ device's memory (table-wise, FBGEMM's fused kernel, row-wise Adagrad), batches o
 samples with ``--ids`` skewed ids per bag (a few hot rows, a long tail). Every figure is
 measured in this run, ours and DCP's interleaved on the same model:
 
+- the ``lost`` phase (``stall_lost.py``, first): training time lost per save (headline diff
+  and full, raw full, ``dcp.async_save``), window step ratios, seconds until copied and
+  durable, step overhead at one save per ``--overhead-steps`` steps;
 - ``tracking_pct``: mean step time with a Checkpointer attached (lookup tracking and the
   copy-on-write hooks, no save) against without one, median of interleaved rounds;
 - ``d2h_floor_s``: one copy of every table byte into pinned host memory (CPU: a memcpy);
@@ -45,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from common import write_result  # noqa: E402
+from stall_lost import lost_phase  # noqa: E402
 
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
@@ -192,6 +196,7 @@ def measure(args: argparse.Namespace, record: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"table_bytes": args.tables * args.rows * args.dim * 4, "errors": {}}
     train.mean_step(20)  # warm up
     phases = [
+        ("lost", lambda: lost_phase(train, root, args)),
         ("blocking", lambda: save_blocking(train, root, device)),
         ("exact", lambda: exactness(train, root)),
         ("tracking", lambda: tracking(train, root, args)),
@@ -384,6 +389,15 @@ def encode_gbps(model: Any) -> float | None:
 
 
 SUMMARY = (
+    "lost_s_per_save",
+    "dcp_async_mode",
+    "window_step_ratio_p50",
+    "window_step_ratio_p99",
+    "window_step_ratio_max",
+    "copied_s_headline_diff",
+    "durable_s_headline_diff",
+    "step_overhead_pct_headline_1_per_{overhead}",
+    "step_overhead_pct_raw_full_1_per_{overhead}",
     "save_block_s_full",
     "save_block_s_diff",
     "step_overhead_pct_1_per_100",
@@ -408,6 +422,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, default=8)
     p.add_argument("--steps", type=int, default=100, help="steps per tracking round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--save-every", type=int, default=100, help="steps between saves (lost)")
+    p.add_argument("--lost-saves", type=int, default=3, help="saves per case (lost)")
+    p.add_argument(
+        "--overhead-steps", type=int, default=1000, help="one save per this many steps (lost)"
+    )
     p.add_argument("--phases", nargs="*", help="run only these (default: all)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="result name under benchmarks/results")
@@ -418,11 +437,26 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     started = time.perf_counter()
-    model = {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "device")}
+    model = {
+        k: getattr(args, k)
+        for k in (
+            "tables",
+            "rows",
+            "dim",
+            "batch",
+            "ids",
+            "device",
+            "save_every",
+            "lost_saves",
+            "overhead_steps",
+        )
+    }
+
+    summary = [k.format(overhead=args.overhead_steps) for k in SUMMARY]
 
     def record(figures: dict[str, Any]) -> None:
         result = {
-            "summary": {k: figures.get(k) for k in SUMMARY},
+            "summary": {k: figures.get(k) for k in summary},
             "model": model,
             "figures": figures,
             "seconds": round(time.perf_counter() - started, 1),
@@ -434,8 +468,8 @@ def main() -> None:
         print(json.dumps({k: figures.get(k) for k in figures if k != "errors"}), flush=True)
 
     figures = measure(args, record)
-    for key in SUMMARY:
-        print(f"{key:<32} {figures.get(key)}")
+    for key in summary:
+        print(f"{key:<40} {figures.get(key)}")
     for name, error in figures["errors"].items():
         print(f"{name} failed: {error}")
 

@@ -20,6 +20,7 @@ from embckpt import dense
 from embckpt.codecs import Codec, make_codec
 from embckpt.collective import Collective
 from embckpt.config import CheckpointConfig, state_codec_name
+from embckpt.cores import writer_threads
 from embckpt.errors import ConfigError
 from embckpt.interval import AdaptiveInterval, IterationClock
 from embckpt.mch import MchTable, watch_evictions
@@ -138,7 +139,7 @@ class Checkpointer:
             base_codec=make_codec(config.base_codec),
             rank=self.comm.rank,
             row_group_rows=config.row_group_rows,
-            threads=config.io_threads,
+            threads=writer_threads(config.io_threads),
         )
         state_names: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         for names in self.comm.all_gather(self.sharded.state_names()):

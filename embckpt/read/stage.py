@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from embckpt.codecs import Codec, codec_from_config
+from embckpt.cores import rank_cores
 from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
 from embckpt.read.pool import worker_pool
@@ -48,9 +49,7 @@ def default_threads() -> int:
     and 8."""
     if os.environ.get(THREADS_ENV):
         return max(1, int(os.environ[THREADS_ENV]))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return min(8, max(1, (cores or 1) // local_ranks))
+    return min(8, rank_cores())
 
 
 @dataclass

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from embckpt.save.assemble import aligned, kept_rows, merged_rows, nbytes
 from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
 from embckpt.sharding import TableShard
@@ -219,7 +220,7 @@ class CowSession:
             if self.cuda and len(self._slices) >= 2:
                 self._slices.popleft().wait_on(stream)  # bounds the gathers in flight
             gathered = self._gather(block.shard, rows, None)
-            slab, at = self._room(_nbytes(gathered))
+            slab, at = self._room(nbytes(gathered))
             segment = self._copy(block, rows.cpu(), gathered, slab, at, stream)
             segment.fence.record(self.side)
             self._slab_segments.append(segment)
@@ -277,7 +278,7 @@ class CowSession:
         fence = fence or _Fence(self.cuda)
         views = {}
         for name, tensor in gathered.items():
-            size = _aligned(tensor.numel() * tensor.element_size())
+            size = aligned(tensor.numel() * tensor.element_size())
             views[name] = (
                 slab[at : at + tensor.numel() * tensor.element_size()]
                 .view(tensor.dtype)
@@ -397,31 +398,19 @@ class CowSession:
         """The chunk's rows nobody claimed before it (a copy out of the slab when some were);
         returns the unit and the bytes it holds outside the slab."""
         segment.fence.synchronize()
-        if bool(mask.all()):
-            return self._unit(segment.block, segment.local_rows, segment.tensors, True), 0
-        keep = torch.nonzero(mask).flatten()
-        if not keep.numel():
+        kept = kept_rows(segment.local_rows, segment.tensors, mask)
+        if kept is None:
             return None, 0
-        tensors = {n: t.index_select(0, keep) for n, t in segment.tensors.items()}
-        return self._unit(segment.block, segment.local_rows[keep], tensors, False), _nbytes(tensors)
+        rows, tensors, held = kept
+        return self._unit(segment.block, rows, tensors, not held), held
 
     def protected_units(self, segments: list[Segment]) -> list[StagedUnit]:
         """Units of a sealed slab: per block, its segments merged in row order (copies out of
         the slab)."""
-        by_block: dict[tuple[str, tuple[str, ...]], list[Segment]] = {}
-        for segment in segments:
-            segment.fence.synchronize()
-            key = (segment.block.shard.key, tuple(sorted(segment.tensors)))
-            by_block.setdefault(key, []).append(segment)
         units = []
-        for parts in by_block.values():
-            rows = torch.cat([s.local_rows for s in parts])
-            order = torch.argsort(rows)
-            tensors = {
-                name: torch.cat([s.tensors[name] for s in parts]).index_select(0, order)
-                for name in parts[0].tensors
-            }
-            units.append(self._unit(parts[0].block, rows[order], tensors, False))
+        for parts in by_block(segments).values():
+            rows, tensors = merged_rows([(s.local_rows, s.tensors) for s in parts])
+            units.append(self._unit(parts[0].block, rows, tensors, False))
         return units
 
     def _unit(
@@ -430,15 +419,17 @@ class CowSession:
         return StagedUnit.of(Unit(block.shard, self.part(block), rows, whole), rows, tensors)
 
 
+def by_block(segments: list[Segment]) -> dict[tuple[str, tuple[str, ...]], list[Segment]]:
+    """Segments grouped by block and tensor names, each group's copies finished."""
+    groups: dict[tuple[str, tuple[str, ...]], list[Segment]] = {}
+    for segment in segments:
+        segment.fence.synchronize()
+        key = (segment.block.shard.key, tuple(sorted(segment.tensors)))
+        groups.setdefault(key, []).append(segment)
+    return groups
+
+
 def _row_bytes(shard: TableShard) -> int:
     """A row's bytes in a slab, at most (fp32 weights even when encoded: the encoder may fall
     back to them)."""
     return sum(t[0].numel() * t.element_size() for _, t in shard_tensors(shard)) + 1
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(_aligned(t.numel() * t.element_size()) for t in tensors.values())

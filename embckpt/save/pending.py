@@ -12,7 +12,9 @@ from embckpt.storage.manifest import Manifest
 
 class PendingCheckpoint:
     """A save in progress. ``wait()`` returns its manifest or raises
-    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread.
+    the error that stopped it; ``blocked_s`` is how long ``save`` held the training thread;
+    ``copied_s``, once known, how long after ``save()`` was called every row it writes was
+    copied off the model (the copy-on-write window closed; None until then).
 
     Call ``wait()`` from the training thread: it also applies the save's outcome."""
 
@@ -21,14 +23,22 @@ class PendingCheckpoint:
         step: int,
         future: concurrent.futures.Future[Manifest | None],
         transaction: SaveTransaction | None = None,
+        started: float | None = None,
     ) -> None:
         self.step = step
         self.blocked_s = 0.0
+        self.copied_s: float | None = None
+        self._started = started
         self._future = future
         self._transaction = transaction
         self._settled = False
         self._lock = threading.Lock()
         self.observed = False
+
+    def copied(self, at: float) -> None:
+        """Every row is copied off the model at ``at`` (``time.perf_counter()``)."""
+        if self._started is not None:
+            self.copied_s = at - self._started
 
     def done(self) -> bool:
         return self._future.done()

@@ -21,12 +21,14 @@ from embckpt.codecs import Codec
 from embckpt.errors import SaveError, SaveRankError, as_error
 from embckpt.policy import Decision, Kind, assumed_chain_bytes
 from embckpt.save.context import SaveContext
-from embckpt.save.copier import run_copier
+from embckpt.save.copier import ThreadSink, run_copier
 from embckpt.save.cow import CowSession
 from embckpt.save.guards import UpdateGuard
+from embckpt.save.process_sink import ProcessSink
 from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter
+from embckpt.save.writer_process import WriterProcess
 from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
 from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile, files_bytes
 from embckpt.storage.phases import PhaseClock
@@ -55,6 +57,12 @@ class Snapshot:
     staged: list[StagedUnit] = field(default_factory=list)
     entries: list[FileEntry] = field(default_factory=list)
     error: BaseException | None = None
+    on_copied: Callable[[float], None] | None = None  # told when every row is copied
+
+    def copied(self, at: float | None = None) -> None:
+        """Every row the save writes is copied off the model (at ``at``, else now)."""
+        if self.on_copied is not None:
+            self.on_copied(time.perf_counter() if at is None else at)
 
 
 class Persister:
@@ -66,6 +74,8 @@ class Persister:
         writer: the rows-file writer.
         stage: copies a piece into the staging arena (the saver's).
         guard: holds weight updates back until the last piece is staged (``pipeline="full"``).
+        process: the rank's writer process, which writes copy-on-write saves (None: the
+            writer's threads in this process do).
     """
 
     def __init__(
@@ -75,8 +85,10 @@ class Persister:
         writer: RowFileWriter,
         stage: Callable[[list[Unit]], list[StagedUnit]],
         guard: UpdateGuard | None,
+        process: WriterProcess | None = None,
     ) -> None:
         self.ctx = context
+        self.process = process
         self.state = state
         self.writer = writer
         # Set here rather than where the writer is built: every save goes through this.
@@ -102,8 +114,11 @@ class Persister:
                 try:
                     with snapshot.clock.time("snapshot"):
                         snapshot.staged = self._stage_piece(snapshot.pending)
+                    snapshot.copied()
                 except Exception as exc:
                     error = exc
+            elif error is None:
+                snapshot.copied()
             self._release_guard()
             if error is None:
                 error = self._write_rest(snapshot)
@@ -144,7 +159,8 @@ class Persister:
         return manifest.with_stats(persist_seconds=time.perf_counter() - started)
 
     def _copy_and_write(self, snapshot: Snapshot, session: CowSession) -> BaseException | None:
-        """Runs a copy-on-write window's copier, units written as they are copied."""
+        """Runs a copy-on-write window's copier, units written as they are copied: by the
+        writer process, or by the writer's threads."""
 
         def write(units: list[StagedUnit]) -> None:
             entries = self.writer.write(
@@ -157,19 +173,39 @@ class Persister:
             )
             snapshot.entries.extend(entries)
 
+        process = self.process
+        sink: ThreadSink | ProcessSink | None = None
         try:
             failpoints.hit("save.stage")
             with snapshot.clock.time("snapshot"):
-                run_copier(
-                    session,
-                    write,
-                    self.writer.pack_below_bytes,
-                    PACKED_FILE_BYTES,
-                    self.ctx.config.io_threads,
-                )
+                if process is None:
+                    sink = ThreadSink(
+                        session,
+                        write,
+                        self.writer.pack_below_bytes,
+                        PACKED_FILE_BYTES,
+                        self.writer.threads,
+                    )
+                else:
+                    sink = ProcessSink(session, process, _begin(snapshot))
+                snapshot.copied(run_copier(session, sink))
         except Exception as exc:
             return exc
+        finally:
+            if isinstance(sink, ProcessSink):
+                self._took(snapshot, sink)
         return None
+
+    def _took(self, snapshot: Snapshot, sink: ProcessSink) -> None:
+        """What the writer process wrote, as the save's own."""
+        assert self.process is not None
+        self.process.reference.written(sink.reference_ready)
+        snapshot.entries.extend(sink.entries)
+        sink.record(snapshot.clock)
+        capture = snapshot.transaction.edits.capture
+        if capture is not None:
+            for rows in sink.captured:
+                capture.add(rows)
 
     def _discard_step(self, step: int) -> None:
         """Rank 0, after a failed save: deletes its files, manifest first if one was written
@@ -206,16 +242,17 @@ class Persister:
         step, clock = snapshot.step, snapshot.clock
         store, rank = self.ctx.store, self.ctx.comm.rank
         try:
-            snapshot.entries.extend(
-                self.writer.write(
-                    step,
-                    snapshot.staged,
-                    snapshot.decision,
-                    snapshot.codec,
-                    snapshot.transaction.edits,
-                    clock,
+            if snapshot.staged:
+                snapshot.entries.extend(
+                    self.writer.write(
+                        step,
+                        snapshot.staged,
+                        snapshot.decision,
+                        snapshot.codec,
+                        snapshot.transaction.edits,
+                        clock,
+                    )
                 )
-            )
             failpoints.hit("save.dense")
             # write_file's own time, less its write and fsync, is the file's checksum.
             if snapshot.dense is not None:
@@ -279,6 +316,21 @@ class Persister:
                 "checkpoint could not be restored, so it is not committed"
             )
         return manifest
+
+
+def _begin(snapshot: Snapshot) -> tuple[Any, ...]:
+    """The writer process's ``begin`` message of a save: step, decision, codec, the reference
+    edit (None, or whether it restarts the chain), capture, whether the reference is rebuilt."""
+    transaction = snapshot.transaction
+    edit = transaction.edits.reference
+    return (
+        snapshot.step,
+        snapshot.decision,
+        dict(snapshot.codec.get_config()),
+        None if edit is None else edit.restarts_chain,
+        transaction.edits.capture is not None,
+        transaction.rebuilds_reference,
+    )
 
 
 def as_save_error(

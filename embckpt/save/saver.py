@@ -47,6 +47,7 @@ from embckpt.config import codec_for
 from embckpt.errors import RankError, SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
 from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores
+from embckpt.save.backend import start_writer_process, uses_process, warm_kernels
 from embckpt.save.context import SaveContext
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
@@ -108,16 +109,29 @@ class Saver:
             else None
         )
         # Copy-on-write (pipeline "full" where every update follows a lookup): save() returns
-        # once the window is open; the copier and the steps copy the rows (save/cow.py).
+        # once the window is open; the copier and the steps copy the rows (save/cow.py), and
+        # the rank's writer process or the writer's threads write them (save/backend.py).
         cow = context.config.pipeline == "full" and cow_supported(context.sharded)
         self._hooks = ProtectHooks(state.tracker) if cow else None
-        self.slabs = SlabPool(context.config.staging_budget_bytes, device.type == "cuda")
-        if cow:
-            device_encoder(self.codec, True, device)  # its imports now, not in the first save
+        process = cow and uses_process(context.config, device)
+        self.slabs = SlabPool(
+            context.config.staging_budget_bytes, device.type == "cuda", shared=process
+        )
+        writers = list(context.sharded.writer_shards())
+        self.process = (
+            start_writer_process(context.store, writer, self.codec, writers, self.slabs)
+            if process
+            else None
+        )
+        if self.process is not None:
+            state.reference = self.process.reference  # type: ignore[assignment]
+        warm_kernels(None if process else writer, self.codec, writers, cow)
         self._blocked_since_tick = 0.0
         # No reference cycle back to the saver: it (and the process group its context holds)
         # is freed as soon as the Checkpointer is, not by a garbage collection at exit.
-        self._persister = Persister(context, state, writer, self._stage_piece, self._guard)
+        self._persister = Persister(
+            context, state, writer, self._stage_piece, self._guard, self.process
+        )
 
     # -- when to save -------------------------------------------------------------------------
     def maybe_save(self, step: int) -> PendingCheckpoint | None:
@@ -140,6 +154,8 @@ class Saver:
         """See ``Checkpointer.save``."""
         started = time.perf_counter()
         self.finish_inflight()
+        if self.process is not None and not self.process.alive:
+            self.process.restart()  # its reference died with it: this save is a full
         self.arena.reset_peak()
         self.slabs.reset_peak()
         self.follow_expected_restores()
@@ -150,11 +166,12 @@ class Saver:
             transaction.roll_back()
             raise
         future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-        handle = PendingCheckpoint(step, future, transaction)
+        handle = PendingCheckpoint(step, future, transaction, started)
         clock = PhaseClock()
         mode = self.ctx.config.pipeline
         try:
             snapshot = self._snapshot(step, decided, started, clock, transaction)
+            snapshot.on_copied = handle.copied
             if mode == "off":
                 _run_into(future, self._persister.persist, snapshot)
             else:
@@ -189,6 +206,8 @@ class Saver:
         bits = bits_for_restores(config.expected_restores, self.restores)
         if getattr(self.codec, "bits", None) != bits:
             self.codec = codec_for(dataclasses.replace(config, bits=bits))
+            if getattr(self, "_hooks", None) is not None:  # the device encoder's new kernels
+                warm_kernels(None, self.codec, list(self.ctx.sharded.writer_shards()), True)
 
     def finish_inflight(self) -> None:
         """Waits for the checkpoint in flight, applies its outcome, and raises its failure if
@@ -362,7 +381,7 @@ class Saver:
             self.writer.staging = self.arena
             config = self.ctx.config
             pieces = plan_save(
-                selected, config.staging_budget_bytes, config.io_threads, config.max_file_rows
+                selected, config.staging_budget_bytes, self.writer.threads, config.max_file_rows
             )
             self._stage_piece.prepare(pieces)
         except Exception as exc:
@@ -463,6 +482,8 @@ class Saver:
         finally:
             self._thread.shutdown(wait=True)
             self.writer.close()
+            if self.process is not None:
+                self.process.close()
             self.slabs.close()
             if self._guard is not None:
                 self._guard.close()

@@ -13,6 +13,9 @@ share, which covers the encoded columns of the files being written (``hold``/``r
 the writer counts them), and copies of rows a step must protect may take slabs from that share
 rather than make the step wait (the copier never does). ``peak_bytes`` is the save's
 high-water mark of slabs in use plus encoded bytes held.
+
+With a writer process (``save/writer_process.py``) the slabs are cut from memory it shares
+(``save/shared_memory.py``), so that it reads the rows where they were copied.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 
 import torch
 
+from embckpt.save.shared_memory import SharedMemory
 from embckpt.save.staging import ENCODED_SHARE
 
 SLAB_BYTES = 32 << 20
@@ -34,9 +38,10 @@ class SlabPool:
     Args:
         budget_bytes: the staging budget (``staging_budget_bytes``).
         pinned: allocate pinned memory (CUDA models).
+        shared: cut the slabs from memory shared with the writer process (``memory``).
     """
 
-    def __init__(self, budget_bytes: int, pinned: bool) -> None:
+    def __init__(self, budget_bytes: int, pinned: bool, shared: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.slab_bytes = max(min(SLAB_BYTES, budget_bytes // _MIN_SLABS), 1)
         self.pinned = pinned
@@ -44,6 +49,7 @@ class SlabPool:
         share = budget_bytes - budget_bytes // ENCODED_SHARE
         self.copier_slabs = max(share // self.slab_bytes, 1)
         self._all_slabs = max(budget_bytes // self.slab_bytes, self.copier_slabs)
+        self.memory = SharedMemory(self._all_slabs * self.slab_bytes, pinned) if shared else None
         self._free: list[torch.Tensor] = []
         self._made: list[torch.Tensor] = []
         self._in_use = 0
@@ -80,7 +86,10 @@ class SlabPool:
         self._peak()
         if self._free:
             return self._free.pop()
-        slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.memory is not None:
+            slab = self.memory.slab(len(self._made) * self.slab_bytes, self.slab_bytes)
+        else:
+            slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         self._made.append(slab)
         return slab
 
@@ -139,3 +148,5 @@ class SlabPool:
             self._free.clear()
             self._made.clear()
             self._cond.notify_all()
+        if self.memory is not None:
+            self.memory.close()

@@ -17,9 +17,10 @@ it go to the save's :class:`WriteEdits`, applied only once the checkpoint commit
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -28,12 +29,11 @@ import torch
 from embckpt import failpoints
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
 from embckpt.config import CheckpointConfig
-from embckpt.policy import Decision, Kind
+from embckpt.policy import Decision, DiffBase, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
-from embckpt.save.slabs import SlabPool
-from embckpt.save.snapshot import StagedUnit
-from embckpt.save.staging import StagingArena
+from embckpt.save.snapshot import StagedUnit, Unit
+from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import packed_rows_file, rows_file
 from embckpt.storage.manifest import FileEntry, FileIndex
@@ -45,6 +45,18 @@ from embckpt.storage.rowfile_write import (
     block_indexes,
     row_state_columns,
 )
+
+
+class Staging(Protocol):
+    """What counts the encoded buffers a write holds (``StagingArena``, ``SlabPool``)."""
+
+    def hold(self, nbytes: int) -> None: ...
+
+    def release(self, nbytes: int) -> None: ...
+
+    def owns(self, address: int) -> bool:
+        """Whether ``address`` lies in the staged rows (a view the codec did not copy)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -128,11 +140,12 @@ class RowFileWriter:
         self.row_group_rows = row_group_rows
         self.pack_below_bytes = pack_below_bytes
         self.reference = ReconstructedRows()
+        self.threads = threads
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "embckpt-io")
         self._packs: dict[int, int] = {}  # step -> packed files written so far
         self._packs_lock = threading.Lock()
         # Set by the saver before each save: counts encoded buffers against the budget.
-        self.staging: StagingArena | SlabPool | None = None
+        self.staging: Staging | None = None
 
     def write(
         self,
@@ -397,8 +410,53 @@ class RowFileWriter:
             values[f"elem:{name}"] = self.state_codec.decode(encoded, shard.num_cols).float()
         return CapturedRows(shard.key, shard.num_rows, local_rows.cpu(), values)
 
+    def warm(self, codec: Codec, shards: list[TableShard]) -> None:
+        """Encodes a full and a diff of a few rows of each block layout of ``shards`` with
+        ``codec``, as a save would, writing nothing and keeping no reference: the compiled
+        kernels this needs (numba's, loaded from its disk cache or compiled) are then ready
+        before the first save, whose window would otherwise wait for them."""
+        layouts = {_layout(shard): shard for shard in shards}
+        reference, staging = self.reference, self.staging
+        self.reference, self.staging = ReconstructedRows(), None
+        try:
+            for shard in (s for s in layouts.values() if s.num_rows):
+                unit = _sample_unit(shard)
+                for decision in (Decision(Kind.FULL), Decision(Kind.DIFF, DiffBase.LAST_FULL)):
+                    if decision.kind is Kind.DIFF:
+                        unit = dataclasses.replace(unit, weights=unit.weights * 1.5 + 0.01)
+                    parts = self._encode(unit, decision, codec, WriteEdits())
+                    for part in parts:
+                        self._block(unit, part, None, PhaseClock())
+        finally:
+            self.reference, self.staging = reference, staging
+
     def close(self) -> None:
         self._io.shutdown(wait=True)
+
+
+def _layout(shard: TableShard) -> tuple[Any, ...]:
+    """What decides the kernels a block's encoding runs: its columns and tensors' types."""
+    states = [(n, t.dtype, tuple(t.shape[1:])) for n, t in sorted(shard.row_states.items())]
+    elems = [(n, t.dtype) for n, t in sorted(shard.elem_states.items())]
+    return shard.num_cols, shard.weight.dtype, tuple(states), tuple(elems)
+
+
+def _sample_unit(shard: TableShard) -> StagedUnit:
+    """A few rows of a block's layout, valued like trained embeddings and their states."""
+    rows = min(8, shard.num_rows)
+    gen = torch.Generator().manual_seed(0)
+    cols = shard.num_cols
+    weights = (torch.randn(rows, cols, generator=gen) * 0.05).to(shard.weight.dtype)
+    row_states = {
+        n: torch.rand((rows, *t.shape[1:]), generator=gen).to(t.dtype)
+        for n, t in shard.row_states.items()
+    }
+    elem_states = {
+        n: torch.rand(rows, cols, generator=gen).to(t.dtype) for n, t in shard.elem_states.items()
+    }
+    local_rows = torch.arange(rows, dtype=torch.int64)
+    unit = Unit(shard, 0, local_rows, True)
+    return StagedUnit(unit, local_rows, weights, row_states, elem_states)
 
 
 def _whole(codec: Codec, unit: StagedUnit) -> EncodedRows:

@@ -1,0 +1,453 @@
+"""The rank's writer process: encodes and writes the rows a copy-on-write save copied.
+
+Why a process: encoding and writing a checkpoint runs Python between its compiled kernels
+(codecs, Parquet, checksums, the reference), and any thread of the training process doing
+that holds the GIL the training loop needs to launch its steps: a GPU step slowed by a third to
+a half while a save was written (issue 38). Here that work has its own interpreter; the
+training process only claims and copies rows and sends what lies where in the shared slabs.
+
+Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker SOCKET MEMORY``
+(two inherited descriptors: the connection to the rank, the shared slab memory). It reads a
+:class:`WriterSpec`, warms the codec's kernels, then serves one save at a time:
+
+- ``begin``: a save starts (its step, decision, codec, whether the reference is rebuilt or
+  edited, whether the rows are captured);
+- ``chunk`` / ``protected``: rows in a slab (by offset) to write, as
+  ``save/assemble.py`` assembles them; answered ``free`` once the slab is no longer read (small
+  units are copied out and packed together, as the thread writer does);
+- ``finish``: every unit written; answered with the file entries, phase seconds, captured rows
+  and whether the reference is set, or the first error;
+- ``commit``: the last save's reference edit applied; ``clear``: the reference dropped;
+- ``arm``: a failure point armed in this process (tests); ``close``: exit.
+
+It exits when the rank closes the connection or dies (its parent process changes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from embckpt import failpoints
+from embckpt.codecs import Codec, codec_from_config
+from embckpt.policy import Decision
+from embckpt.save.assemble import copied_out, kept_rows, merged_rows, staged_bytes
+from embckpt.save.capture import CapturedRows, CaptureEdit
+from embckpt.save.reference import ReferenceEdit
+from embckpt.save.shared_memory import attach
+from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
+from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter, WriteEdits
+from embckpt.sharding import TableShard
+from embckpt.storage.manifest import FileEntry
+from embckpt.storage.phases import PhaseClock
+
+NICENESS = 5
+"""Added to the writer process's niceness: on a host whose cores training keeps busy (CPU
+training), the writer yields to it; on a GPU host with idle cores it changes nothing."""
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """What the writer process is built from (sent once, pickled)."""
+
+    store: Any  # CheckpointStore
+    state_codec: dict[str, Any]
+    base_codec: dict[str, Any]
+    codec: dict[str, Any]  # the save codec when the rank started it: its kernels are warmed
+    rank: int
+    row_group_rows: int
+    threads: int
+    pack_below_bytes: int
+    memory_bytes: int
+    shards: dict[str, ShardShape]  # by key
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """A block as the writer needs it: its identity and its tensors' shapes and types."""
+
+    table: str
+    fqn: str
+    sharding_type: str
+    row_offset: int
+    col_offset: int
+    table_rows: int
+    table_cols: int
+    tensors: dict[str, tuple[tuple[int, ...], str]]  # shard_tensors' names
+
+    @classmethod
+    def of(cls, shard: TableShard) -> ShardShape:
+        tensors = {
+            name: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in shard_tensors(shard)
+        }
+        return cls(
+            shard.table,
+            shard.fqn,
+            shard.sharding_type,
+            shard.row_offset,
+            shard.col_offset,
+            shard.table_rows,
+            shard.table_cols,
+            tensors,
+        )
+
+    def shard(self) -> TableShard:
+        """The block, its tensors on the meta device (shapes without memory)."""
+        meta = {
+            name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            for name, (shape, dtype) in self.tensors.items()
+        }
+        return TableShard(
+            table=self.table,
+            fqn=self.fqn,
+            sharding_type=self.sharding_type,
+            row_offset=self.row_offset,
+            col_offset=self.col_offset,
+            table_rows=self.table_rows,
+            table_cols=self.table_cols,
+            weight=meta["weight"],
+            row_states={k[4:]: v for k, v in meta.items() if k.startswith("row:")},
+            elem_states={k[5:]: v for k, v in meta.items() if k.startswith("elem:")},
+        )
+
+
+@dataclass
+class _Save:
+    """One save being written."""
+
+    step: int
+    decision: Decision
+    codec: Codec
+    edits: WriteEdits
+    clock: PhaseClock = field(default_factory=PhaseClock)
+    entries: list[FileEntry] = field(default_factory=list)
+    tasks: list[concurrent.futures.Future[None]] = field(default_factory=list)
+    small: list[StagedUnit] = field(default_factory=list)
+    small_bytes: int = 0
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Held:
+    """The writer's count of encoded buffers outside the shared slabs (its peak reported)."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self._base = memory.data_ptr()
+        self._end = self._base + memory.numel()
+        self._lock = threading.Lock()
+        self.held = 0
+        self.peak = 0
+
+    def hold(self, nbytes: int) -> None:
+        with self._lock:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def owns(self, address: int) -> bool:
+        return self._base <= address < self._end
+
+
+class Worker:
+    """Serves the rank's saves (see the module's docstring)."""
+
+    def __init__(self, conn: Connection, spec: WriterSpec, memory: torch.Tensor) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.memory = memory
+        self.writer = RowFileWriter(
+            spec.store,
+            state_codec=codec_from_config(spec.state_codec),
+            base_codec=codec_from_config(spec.base_codec),
+            rank=spec.rank,
+            row_group_rows=spec.row_group_rows,
+            threads=spec.threads,
+            pack_below_bytes=spec.pack_below_bytes,
+        )
+        self.held = _Held(memory)
+        self.shards = {key: shape.shard() for key, shape in spec.shards.items()}
+        self.tasks = concurrent.futures.ThreadPoolExecutor(spec.threads, "embckpt-writer")
+        self.save: _Save | None = None
+        self.edit: ReferenceEdit | None = None  # the last save's, applied at its commit
+        self._send_lock = threading.Lock()
+        self._codecs: dict[str, Codec] = {}
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            send(self.conn, message)
+
+    def warm(self) -> None:
+        """The save codec's kernels, loaded before the first save asks for them."""
+        codec = self._codec(self.spec.codec)
+        self.writer.warm(codec, list(self.shards.values()))
+        self.writer.staging = self.held
+
+    def _codec(self, config: dict[str, Any]) -> Codec:
+        key = repr(sorted(config.items()))
+        if key not in self._codecs:
+            self._codecs[key] = codec_from_config(config)
+        return self._codecs[key]
+
+    # -- messages ------------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            try:
+                message = receive(self.conn)
+            except (EOFError, OSError):
+                return
+            kind = message[0]
+            if kind == "close":
+                return
+            getattr(self, f"_on_{kind}")(*message[1:])
+
+    def _on_begin(
+        self,
+        step: int,
+        decision: Decision,
+        codec: dict[str, Any],
+        edit: bool | None,
+        capture: bool,
+        rebuild: bool,
+    ) -> None:
+        """A save starts; ``edit``: None, or whether its reference edit restarts the chain."""
+        if rebuild:
+            self.writer.reference.begin_full()
+        edits = WriteEdits(
+            reference=None if edit is None else ReferenceEdit(restarts_chain=edit),
+            capture=CaptureEdit() if capture else None,
+        )
+        self.held.peak = self.held.held
+        self.save = _Save(step, decision, self._codec(codec), edits)
+
+    def _on_chunk(
+        self,
+        job: int,
+        key: str,
+        part: int,
+        rows: np.ndarray,
+        tensors: dict[str, Any],
+        mask: np.ndarray | None,
+    ) -> None:
+        self._task(job, lambda save: self._chunk(save, job, key, part, rows, tensors, mask))
+
+    def _on_protected(self, job: int, groups: list[tuple[str, int, list[Any]]]) -> None:
+        self._task(job, lambda save: self._protected(save, job, groups))
+
+    def _on_finish(self) -> None:
+        save = self.save
+        assert save is not None, "finish without begin"
+        concurrent.futures.wait(save.tasks)
+        if save.error is None and save.small:
+            self._guarded(save, lambda: self._write(save, save.small))
+        captured = (
+            None
+            if save.edits.capture is None
+            else [_as_arrays(rows) for rows in save.edits.capture.rows]
+        )
+        self.edit = save.edits.reference
+        self.save = None
+        self.send(
+            (
+                "finished",
+                save.entries,
+                save.clock.seconds(),
+                captured,
+                self.writer.reference.ready,
+                _picklable(save.error),
+                self.held.peak,
+            )
+        )
+
+    def _on_commit(self) -> None:
+        if self.edit is not None:
+            self.writer.reference.apply(self.edit)
+        self.edit = None
+
+    def _on_clear(self) -> None:
+        self.writer.reference.clear()
+        self.edit = None
+
+    def _on_arm(self, point: str, nth: int, exit_code: int | None) -> None:
+        action = None if exit_code is None else (lambda: os._exit(exit_code))
+        failpoints.arm(point, nth=nth, action=action)
+
+    # -- units ---------------------------------------------------------------------------------
+    def _task(self, job: int, work: Any) -> None:
+        """Runs ``work(save)`` on a writer thread; the slab of ``job`` is freed when it ends,
+        unless ``work`` freed it early (it returns True then)."""
+        save = self.save
+        assert save is not None, "rows without begin"
+
+        def run() -> None:
+            freed = [False]
+
+            def guarded() -> None:
+                freed[0] = bool(work(save))
+
+            try:
+                if save.error is None:
+                    self._guarded(save, guarded)
+            finally:
+                if not freed[0]:
+                    self.send(("free", job))
+
+        save.tasks.append(self.tasks.submit(run))
+
+    def _guarded(self, save: _Save, work: Any) -> None:
+        try:
+            work()
+        except BaseException as exc:
+            with save.lock:
+                save.error = save.error or exc
+
+    def _view(self, description: Any) -> torch.Tensor:
+        """A tensor a message describes: bytes of the shared slabs, or sent by value."""
+        if isinstance(description, np.ndarray):
+            return torch.from_numpy(description)
+        offset, dtype, shape = description
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        return self.memory[offset : offset + size].view(dtype).view(shape)
+
+    def _unit(
+        self, key: str, part: int, rows: torch.Tensor, tensors: dict[str, Any], whole: bool
+    ) -> StagedUnit:
+        shard = self.shards[key]
+        return StagedUnit.of(Unit(shard, part, rows, whole), rows, tensors)
+
+    def _chunk(
+        self,
+        save: _Save,
+        job: int,
+        key: str,
+        part: int,
+        rows: np.ndarray,
+        described: dict[str, Any],
+        mask: np.ndarray | None,
+    ) -> bool:
+        """Writes a chunk's kept rows; returns True once the slab was freed early (small
+        units, copied out to be packed)."""
+        tensors = {name: self._view(d) for name, d in described.items()}
+        kept = kept_rows(
+            torch.from_numpy(rows), tensors, None if mask is None else torch.from_numpy(mask)
+        )
+        if kept is None:
+            return False
+        local_rows, tensors, held = kept
+        unit = self._unit(key, part, local_rows, tensors, not held)
+        if staged_bytes(unit) < self.spec.pack_below_bytes:
+            if not held:
+                unit, _ = copied_out(unit)
+            self.send(("free", job))
+            self._pack(save, unit)
+            return True
+        self._write(save, [unit])
+        return False
+
+    def _protected(self, save: _Save, job: int, groups: list[tuple[str, int, list[Any]]]) -> bool:
+        """Merges each block's protected rows (copies), frees the slab, writes them."""
+        units = []
+        for key, part, segments in groups:
+            parts = [
+                (torch.from_numpy(rows), {n: self._view(d) for n, d in tensors.items()})
+                for rows, tensors in segments
+            ]
+            local_rows, tensors = merged_rows(parts)
+            units.append(self._unit(key, part, local_rows, tensors, False))
+        self.send(("free", job))
+        for unit in units:
+            if staged_bytes(unit) < self.spec.pack_below_bytes:
+                self._pack(save, unit)
+            else:
+                self._write(save, [unit])
+        return True
+
+    def _pack(self, save: _Save, unit: StagedUnit) -> None:
+        """A small unit joins the next packed file; written once they fill one."""
+        with save.lock:
+            save.small.append(unit)
+            save.small_bytes += staged_bytes(unit)
+            if save.small_bytes < PACKED_FILE_BYTES:
+                return
+            units, save.small, save.small_bytes = save.small, [], 0
+        self._write(save, units)
+
+    def _write(self, save: _Save, units: list[StagedUnit]) -> None:
+        entries = self.writer.write(
+            save.step, units, save.decision, save.codec, save.edits, save.clock
+        )
+        with save.lock:
+            save.entries.extend(entries)
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Sends ``message`` pickled by value (tensors too: never through shared-memory handles,
+    which ``Connection.send``'s pickler would use once torch is imported)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _as_arrays(rows: CapturedRows) -> tuple[Any, ...]:
+    """Captured rows as numpy arrays (sent by value; ``process_sink.py`` rebuilds them)."""
+    return (
+        rows.key,
+        rows.num_rows,
+        rows.local_rows.numpy(),
+        {k: v.numpy() for k, v in rows.values.items()},
+    )
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    """The error itself where it pickles, else a RuntimeError with its text."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _watch_parent(parent: int) -> None:
+    """Exits when the rank that started this process is gone (its files then unneeded)."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    conn = Connection(int(argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles Ctrl-C and closes us
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    os.nice(NICENESS)
+    torch.set_num_threads(1)
+    spec: WriterSpec = receive(conn)
+    _mapping, memory = attach(int(argv[2]), spec.memory_bytes)
+    worker = Worker(conn, spec, memory)
+    worker.warm()
+    worker.run()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
