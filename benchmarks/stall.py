@@ -422,6 +422,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, default=8)
     p.add_argument("--steps", type=int, default=100, help="steps per tracking round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--writer", default="auto", choices=("auto", "process", "thread"), help="(lost)")
     p.add_argument("--save-every", type=int, default=100, help="steps between saves (lost)")
     p.add_argument("--lost-saves", type=int, default=3, help="saves per case (lost)")
     p.add_argument(

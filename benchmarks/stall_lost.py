@@ -174,8 +174,10 @@ def overhead(train: Any, root: Path, options: dict[str, Any], steps: int) -> dic
 def lost_phase(train: Any, root: Path, args: Any) -> dict[str, Any]:
     """Every case, then the overheads at one save per ``--overhead-steps`` steps."""
     every, saves = args.save_every, args.lost_saves
-    headline = ours(train, root / "headline", HEADLINE, saves + 1, every)
-    raw = ours(train, root / "raw", RAW_FULL, saves, every)
+    headline_options = {**HEADLINE, "writer": args.writer}
+    raw_options = {**RAW_FULL, "writer": args.writer}
+    headline = ours(train, root / "headline", headline_options, saves + 1, every)
+    raw = ours(train, root / "raw", raw_options, saves, every)
     cases = {
         "headline_full": summarise([s for s in headline if s["kind"] == "full"]),
         "headline_diff": summarise([s for s in headline if s["kind"] == "diff"]),
@@ -197,7 +199,7 @@ def lost_phase(train: Any, root: Path, args: Any) -> dict[str, Any]:
         "copied_s_headline_diff": cases["headline_diff"].get("copied_s"),
         "durable_s_headline_diff": cases["headline_diff"].get("durable_s"),
     }
-    for name, options in (("headline", HEADLINE), ("raw_full", RAW_FULL)):
+    for name, options in (("headline", headline_options), ("raw_full", raw_options)):
         result = overhead(train, root, options, args.overhead_steps)
         out[f"step_overhead_pct_{name}_1_per_{args.overhead_steps}"] = result["pct"]
         out[f"overhead_{name}"] = result

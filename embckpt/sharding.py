@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
+from embckpt.blocks import TableShard
 from embckpt.errors import ConfigError, ModelMismatchError
 from embckpt.kernel_cache import is_caching
 from embckpt.mch import MchTable, find_tables
@@ -58,49 +59,6 @@ _EVERY_ROW = {
     "EMAINPLACE_ROWWISE_ADAGRAD": "an EMA of every row every emainplace_mode.step_ema steps",
     "ENSEMBLE_ROWWISE_ADAGRAD": "an EMA and swap of every row (ensemble_mode)",
 }
-
-
-@dataclass
-class TableShard:
-    """One block of one table held by this rank.
-
-    Attributes:
-        table: the table's identity (:func:`table_id`: module path and name).
-        fqn: the weight's key in ``model.state_dict()``.
-        row_offset, col_offset: where the block starts in the global table.
-        table_rows, table_cols: the global table's shape.
-        weight: live view [rows, cols] of the block's weights.
-        row_states: live views [rows] of row-wise optimizer states, by state name.
-        elem_states: live views [rows, cols] of element-wise optimizer states.
-        writer: whether this rank writes the block (False for non-zero replicas).
-        name: the table's name in its collection's config (live blocks only).
-    """
-
-    table: str
-    fqn: str
-    sharding_type: str
-    row_offset: int
-    col_offset: int
-    table_rows: int
-    table_cols: int
-    weight: torch.Tensor
-    row_states: dict[str, torch.Tensor] = field(default_factory=dict)
-    elem_states: dict[str, torch.Tensor] = field(default_factory=dict)
-    writer: bool = True
-    name: str = ""
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.weight.shape[0])
-
-    @property
-    def num_cols(self) -> int:
-        return int(self.weight.shape[1])
-
-    @property
-    def key(self) -> str:
-        """Unique name of the block: table, row and column offsets."""
-        return f"{self.table}/r{self.row_offset}_c{self.col_offset}"
 
 
 @dataclass

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embckpt.sharding import TableShard, collection_kernels, table_id
+from embckpt.blocks import TableShard
+from embckpt.sharding import collection_kernels, table_id
 
 
 class View(str, Enum):

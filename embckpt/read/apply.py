@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from embckpt.blocks import TableShard
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
 from embckpt.read.plan import Keep, plan_reads
 from embckpt.read.pool import worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
-from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from embckpt import dense
+from embckpt.blocks import TableShard
 from embckpt.dtypes import dtype_from_name
 from embckpt.read.apply import read_into
-from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest

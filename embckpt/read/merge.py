@@ -46,12 +46,12 @@ import pyarrow.fs as pafs
 import torch
 
 from embckpt import failpoints
+from embckpt.blocks import TableShard
 from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
 from embckpt.dtypes import dtype_from_name
 from embckpt.errors import EmbckptError
 from embckpt.read.apply import read_into
-from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.checksum import ALGORITHM
 from embckpt.storage.fs import CheckpointStore

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embckpt.sharding import TableShard
+from embckpt.blocks import TableShard
 from embckpt.storage.manifest import FileEntry, Manifest
 
 

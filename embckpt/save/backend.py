@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from embckpt.blocks import TableShard
 from embckpt.codecs import Codec
 from embckpt.config import CheckpointConfig
 from embckpt.save.protect import device_encoder
@@ -22,7 +23,6 @@ from embckpt.save.slabs import SlabPool
 from embckpt.save.writer import RowFileWriter
 from embckpt.save.writer_process import WriterProcess
 from embckpt.save.writer_worker import ShardShape, WriterSpec
-from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 
 log = logging.getLogger(__name__)

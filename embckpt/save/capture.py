@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embckpt.sharding import TableShard
+from embckpt.blocks import TableShard
 
 
 @dataclass(frozen=True)

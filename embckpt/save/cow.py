@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
+from embckpt.blocks import TableShard
 from embckpt.save.assemble import aligned, kept_rows, merged_rows, nbytes
 from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
-from embckpt.sharding import TableShard
 
 DEVICE_SLICE_BYTES = 32 << 20
 """Most bytes of rows one step gathers on the device before their copy to the host."""

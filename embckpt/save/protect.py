@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from embckpt.blocks import TableShard
 from embckpt.codecs import Codec, DeltaCodec
 from embckpt.codecs.uniform import UniformCodec
 from embckpt.save.cow import CowBlock, CowSession, Encoder
 from embckpt.save.slabs import SlabPool
-from embckpt.sharding import ShardedModel, TableShard
+from embckpt.sharding import ShardedModel
 from embckpt.tracking import RowTracker
 
 

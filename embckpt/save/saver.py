@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from embckpt import dense, failpoints, kernel_cache
+from embckpt.blocks import TableShard
 from embckpt.codecs import Codec
 from embckpt.config import codec_for
 from embckpt.errors import RankError, SaveError, SaveRankError
@@ -58,7 +59,6 @@ from embckpt.save.snapshot import Stager, plan_save
 from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
-from embckpt.sharding import TableShard
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import PhaseClock

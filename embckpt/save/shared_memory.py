@@ -39,7 +39,7 @@ class SharedMemory:
         assert self.tensor is not None, "the shared memory is closed"
         slab = self.tensor[offset : offset + nbytes]
         if self.pinned:
-            check = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
+            check = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 1)  # portable
             if int(check) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {check}")
             self._registered.append(slab.data_ptr())

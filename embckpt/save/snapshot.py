@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from embckpt import failpoints
+from embckpt.blocks import TableShard
 from embckpt.save.staging import StagingArena, split_budget
-from embckpt.sharding import TableShard
 
 _ALIGN_SLACK = 64  # bytes the arena may pad each staged tensor with
 _ROW_COLUMNS_BYTES = 16  # a row's id (int64) and its table and column dictionary indices (int32)

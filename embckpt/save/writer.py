@@ -27,13 +27,13 @@ import pyarrow as pa
 import torch
 
 from embckpt import failpoints
+from embckpt.blocks import TableShard
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
 from embckpt.config import CheckpointConfig
 from embckpt.policy import Decision, DiffBase, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
 from embckpt.save.snapshot import StagedUnit, Unit
-from embckpt.sharding import TableShard
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import packed_rows_file, rows_file
 from embckpt.storage.manifest import FileEntry, FileIndex

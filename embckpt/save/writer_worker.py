@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from embckpt import failpoints
+from embckpt.blocks import TableShard
 from embckpt.codecs import Codec, codec_from_config
 from embckpt.policy import Decision
 from embckpt.save.assemble import copied_out, kept_rows, merged_rows, staged_bytes
@@ -48,11 +49,10 @@ from embckpt.save.reference import ReferenceEdit
 from embckpt.save.shared_memory import attach
 from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
 from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter, WriteEdits
-from embckpt.sharding import TableShard
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import PhaseClock
 
-NICENESS = 5
+NICENESS = 10
 """Added to the writer process's niceness: on a host whose cores training keeps busy (CPU
 training), the writer yields to it; on a GPU host with idle cores it changes nothing."""
 
