@@ -98,12 +98,12 @@ def test_one_job_per_directory(tmp_path: Path) -> None:
     assert not (tmp_path / "LOCK").exists()
 
 
-def _save_restore_verify(rank: int, world_size: int, uri: str, locked: str) -> dict:
+def _save_restore_verify(rank: int, world_size: int, uri: str, locked: str, writer: str) -> dict:
     from embckpt import CheckpointConfig, Checkpointer
     from embckpt.storage.lock import DirectoryLockedError
 
     out: dict = {}
-    config = CheckpointConfig(policy="one_shot", full_every=0)
+    config = CheckpointConfig(policy="one_shot", full_every=0, writer=writer)
     model, opt = tm.build(world_size, seed=0)
     with Checkpointer(model, uri, optimizer=opt, config=config) as ckpt:
         for step in range(1, 10):
@@ -127,7 +127,11 @@ def _save_restore_verify(rank: int, world_size: int, uri: str, locked: str) -> d
     return out
 
 
-def test_s3_save_restore_verify_and_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("writer", ["auto", "process"])
+def test_s3_save_restore_verify_and_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Also through the writer process, which writes the rows to the same S3 endpoint."""
     import pyarrow.fs as pafs
     from moto.server import ThreadedMotoServer
 
@@ -149,7 +153,7 @@ def test_s3_save_restore_verify_and_lock(tmp_path: Path, monkeypatch: pytest.Mon
         locked = tmp_path / "locked"
         locked.mkdir()
         (locked / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": 1}))
-        results = run_ranks(_save_restore_verify, 2, uri, str(locked))
+        results = run_ranks(_save_restore_verify, 2, uri, str(locked), writer)
         report = verify(CheckpointStore(uri))
         objects = fs.get_file_info(pafs.FileSelector(f"ckpts/{job}", recursive=True))
     finally:

@@ -248,8 +248,10 @@ class Saver:
         except Exception as exc:  # raised on every rank by the agreement below
             error = as_save_error(exc, step, comm.rank, "deciding")
         times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
+        # Every rank's reference: a writer process that died took its rank's with it.
+        ready = state.reference.ready
         gathered = comm.gather_checked(
-            (local, times, scalars), error, f"deciding step {step}", SaveRankError
+            (local, times, scalars, ready), error, f"deciding step {step}", SaveRankError
         )
         fused_scalars = {k: _tensor(v) for g in gathered for k, v in g[2].items()}
         since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
@@ -272,7 +274,7 @@ class Saver:
                 ctx.full_fp32_bytes,
             )
         )
-        if self.codec.additive and decision.kind is Kind.DIFF and not state.reference.ready:
+        if self.codec.additive and decision.kind is Kind.DIFF and not all(g[3] for g in gathered):
             # Deltas need the reconstruction of their base, which only a full written by this
             # process provides (not kept across a restart, a restore or a failed full).
             decision = Decision(Kind.FULL, reason="additive codec: no reconstructed base yet")
