@@ -78,6 +78,7 @@ SAVE_POINTS = (
     "save.manifest",
     "save.retention",  # after the commit: the save must still commit
 )
+WRITER_POINTS = ("save.encode", "save.write")  # reached in the writer process, when there is one
 RESTORE_POINTS = ("restore.plan", "restore.fetch", "restore.side_state", "restore.apply")
 RESHARD = {"tw": "rw", "rw": "cw", "cw": "tw", "twrw": "rw"}  # data-parallel stays
 WRITE_RETRIES = 2  # the schedules' store: a burst of 3 failed attempts fails a save
@@ -87,7 +88,9 @@ HOT = 60  # rows of each table the batches draw from: diffs stay small
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``kind`` is ``write`` / ``read`` (through the filesystem; ``match`` selects
-    the paths, ``indices`` the matching calls that fail) or ``point`` (a failpoint)."""
+    the paths, ``indices`` the matching calls that fail), ``point`` (a failpoint; the writer
+    process's own for the points it reaches) or ``exit`` (the writer process exits at
+    ``point``)."""
 
     kind: str
     rank: int
@@ -107,10 +110,16 @@ class Schedule:
 
 
 def make_schedule(
-    seed: int, codec: str | None = None, policy: str | None = None, faults: bool = True
+    seed: int,
+    codec: str | None = None,
+    policy: str | None = None,
+    faults: bool = True,
+    writer: str | None = None,
 ) -> Schedule:
     """The schedule of ``seed``: a codec and a policy (drawn, unless named), settings and 8-16
-    operations; ``faults=False``: a short one without faults, for the invariant alone."""
+    operations; ``faults=False``: a short one without faults, for the invariant alone;
+    ``writer="process"``: copy-on-write saves written by the rank's writer process, whose
+    faults include its death mid-save."""
     rng = random.Random(seed)
     codecs, policies = dict(CODECS), dict(POLICIES)
     drawn_codec = CODECS[rng.randrange(len(CODECS))][0]
@@ -127,6 +136,8 @@ def make_schedule(
         "fsync": False,
         "adaptive_interval": False,
     }
+    if writer is not None:
+        settings.update(writer=writer, pipeline="full")
     ops: list[tuple[Any, ...]] = [("train", rng.randint(1, 3)), ("save", None)]
     if not faults:
         for _ in range(4):
@@ -138,7 +149,10 @@ def make_schedule(
         what = rng.choices(("save", "restore", "reshard", "merge"), weights=(10, 4, 1, 1), k=1)[0]
         ops.append(("train", rng.randint(1, 3)))
         if what == "save":
-            ops.append(("save", _save_fault(rng) if rng.random() < 0.45 else None))
+            fault = _save_fault(rng) if rng.random() < 0.45 else None
+            if writer == "process" and rng.random() < 0.2:
+                fault = Fault("exit", rng.randint(0, 1), point="save.encode")
+            ops.append(("save", fault))
         elif what == "restore":
             fault = _restore_fault(rng) if rng.random() < 0.35 else None
             ops.append(("restore", rng.random(), fault))
@@ -219,6 +233,7 @@ class _Run:
         self.ckpt.track_reconstruction()
         self.out = Outcome(schedule.seed, f"{schedule.codec}, {schedule.policy}")
         self._point_armed = False  # a failpoint armed on this rank for the current operation
+        self._in_writer = False  # a fault armed in this rank's writer process
         self._fired_now = 0  # faults fired here since the last recorded operation
         self.step = 0
         self.expected: dict[int, tuple[dict, dict]] = {}
@@ -240,6 +255,13 @@ class _Run:
 
         if fault is None or fault.rank != self.rank:
             return
+        process = self.ckpt._saver.process
+        if fault.kind == "exit" or (
+            fault.kind == "point" and process is not None and fault.point in WRITER_POINTS
+        ):
+            process.arm(fault.point, exit_code=3 if fault.kind == "exit" else None)
+            self._in_writer = True
+            return
         if fault.kind == "point":
             failpoints.arm(fault.point)
             return
@@ -258,6 +280,10 @@ class _Run:
         armed = failpoints.armed()
         fired = self.handler.write_faults + self.handler.read_faults
         fired += 1 if self._point_armed and not armed else 0
+        if self._in_writer:  # not observable from here: counted as fired
+            self.ckpt._saver.process.disarm()
+            fired += 1
+            self._in_writer = False
         self.out.faults += fired
         self._fired_now += fired
         failpoints.disarm()
@@ -272,7 +298,12 @@ class _Run:
 
     def _attempt(self, fault: Fault | None, fn: Any) -> tuple[Any, str | None]:
         self._arm(fault)
-        self._point_armed = fault is not None and fault.kind == "point" and fault.rank == self.rank
+        self._point_armed = (
+            fault is not None
+            and fault.kind == "point"
+            and fault.rank == self.rank
+            and not self._in_writer
+        )
         from embckpt import EmbckptError
 
         try:

@@ -152,6 +152,13 @@ class WriterProcess:
         process with ``exit_code``)."""
         self.send(("arm", point, nth, exit_code))
 
+    def disarm(self) -> None:
+        """Tests: disarms every point of the writer process (if it still runs)."""
+        try:
+            self.send(("disarm",))
+        except WriterProcessError:
+            pass
+
     # -- answers ---------------------------------------------------------------------------------
     def _replies(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
         """The reply thread: slabs freed, saves finished; then, at the end, the process's

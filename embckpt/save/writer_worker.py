@@ -18,7 +18,7 @@ Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker 
 - ``finish``: every unit written; answered with the file entries, phase seconds, captured rows
   and whether the reference is set, or the first error;
 - ``commit``: the last save's reference edit applied; ``clear``: the reference dropped;
-- ``arm``: a failure point armed in this process (tests); ``close``: exit.
+- ``arm`` / ``disarm``: failure points of this process (tests); ``close``: exit.
 
 It exits when the rank closes the connection or dies (its parent process changes).
 """
@@ -285,6 +285,9 @@ class Worker:
     def _on_arm(self, point: str, nth: int, exit_code: int | None) -> None:
         action = None if exit_code is None else (lambda: os._exit(exit_code))
         failpoints.arm(point, nth=nth, action=action)
+
+    def _on_disarm(self) -> None:
+        failpoints.disarm()
 
     # -- units ---------------------------------------------------------------------------------
     def _task(self, job: int, work: Any) -> None:
