@@ -35,9 +35,9 @@ def _blocks(model, opt, rank: int) -> dict[str, dict[str, torch.Tensor]]:
 
     out = {}
     for shard in discover(model, rank).writer_shards():
-        values = {"weight": shard.weight.detach().float().clone()}
-        values.update({f"row:{n}": t.float().clone() for n, t in shard.row_states.items()})
-        values.update({f"elem:{n}": t.float().clone() for n, t in shard.elem_states.items()})
+        values = {"weight": shard.weight.detach().float().cpu()}
+        values.update({f"row:{n}": t.float().cpu() for n, t in shard.row_states.items()})
+        values.update({f"elem:{n}": t.float().cpu() for n, t in shard.elem_states.items()})
         out[shard.key] = values
     return out
 
@@ -51,13 +51,23 @@ def _off(expected: dict, live: dict) -> list[str]:
     )
 
 
-def _chain(rank: int, world_size: int, root: str, options: dict) -> dict:
+def _step(model, opt, step: int, rank: int, hot: int | None = None) -> None:
+    """toy_model's step, on the model's device."""
+    device = next(model.parameters()).device
+    dense, kjt, labels = tm.batch(step, rank, hot=hot)
+    opt.zero_grad()
+    logits = model(dense.to(device), kjt.to(device)).squeeze(-1)
+    torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(device)).backward()
+    opt.step()
+
+
+def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "cpu") -> dict:
     """Saves a chain with steps trained in every window, then restores each step in a fresh
     model and trains on; everything compared exactly."""
     from embckpt import CheckpointConfig, Checkpointer
 
     config = CheckpointConfig(writer="process", **SMALL_SLABS, **options)
-    model, opt = tm.build(world_size, seed=0)
+    model, opt = tm.build(world_size, seed=0, device=device)
     out: dict = {"kinds": [], "copied": [], "windows": 0}
     expected, live = {}, {}
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
@@ -67,13 +77,13 @@ def _chain(rank: int, world_size: int, root: str, options: dict) -> dict:
         for save in range(4):
             for _ in range(3):
                 step += 1
-                tm.train_step(model, opt, step, rank, hot=120 if save else None)
+                _step(model, opt, step, rank, hot=120 if save else None)
             state = tm.snapshot_state(model, opt, rank)
             handle = ckpt.save(step)
             for _ in range(3):  # the window: these steps update rows being copied
                 out["windows"] += int(not handle.done())
                 step += 1
-                tm.train_step(model, opt, step, rank, hot=120)
+                _step(model, opt, step, rank, hot=120)
             manifest = handle.wait()
             out["kinds"].append((manifest.kind, manifest.stats["reason"]))
             out["copied"].append(handle.copied_s)
@@ -83,7 +93,7 @@ def _chain(rank: int, world_size: int, root: str, options: dict) -> dict:
                 out.setdefault("lossless", []).extend(
                     _off(expected[manifest.step], _blocks_of(state))
                 )
-    fresh, fresh_opt = tm.build(world_size, seed=7)
+    fresh, fresh_opt = tm.build(world_size, seed=7, device=device)
     out["restored"] = {}
     with Checkpointer(fresh, root, optimizer=fresh_opt, config=config) as other:
         for saved in sorted(expected, reverse=True):
@@ -106,7 +116,7 @@ def _chain(rank: int, world_size: int, root: str, options: dict) -> dict:
         other.restore(step)
         for _ in range(3):
             step += 1
-            tm.train_step(fresh, fresh_opt, step, rank, hot=120)
+            _step(fresh, fresh_opt, step, rank, hot=120)
         other.save(step).wait()
         meant = other.reconstruction()
         other.restore(step)
@@ -120,11 +130,11 @@ def _blocks_of(state: dict) -> dict:
     for key, value in state.items():
         kind, _, rest = key.partition(":")
         if kind == "w":
-            blocks.setdefault(rest, {})["weight"] = value.float()
+            blocks.setdefault(rest, {})["weight"] = value.float().cpu()
         elif kind == "s":
             block, _, name = rest.rpartition(":")
             prefix = "row" if value.dim() == 1 else "elem"
-            blocks.setdefault(block, {})[f"{prefix}:{name}"] = value.float()
+            blocks.setdefault(block, {})[f"{prefix}:{name}"] = value.float().cpu()
     return blocks
 
 
@@ -142,6 +152,17 @@ def test_process_writer_chain_restores_what_it_meant(options: dict) -> None:
             assert restored == step and blocks == [] and dense == [], (rank, step, blocks, dense)
         assert out["continued"] == [], rank
     assert results[0]["pid"] != results[1]["pid"] != os.getpid()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", [{"policy": "incremental", "full_every": 3}, LOSSY])
+def test_process_writer_chain_on_a_gpu(options: dict, tmp_path: Path) -> None:
+    """The same on CUDA: slabs page-locked in the shared memory, copies on a side stream."""
+    (out,) = run_ranks(_chain, 1, str(tmp_path), options, "cuda", timeout_s=240)
+    assert out["windows"] > 0 and out.get("lossless", []) == [] and out["continued"] == []
+    for step, (restored, blocks, dense) in out["restored"].items():
+        assert restored == step and blocks == [] and dense == [], (step, blocks, dense)
 
 
 def _writer_fails(rank: int, world_size: int, root: str, exit_code: int | None) -> dict:

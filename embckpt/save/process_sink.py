@@ -123,7 +123,7 @@ class ProcessSink:
         if not ok:
             return
         if error is not None:
-            raise error
+            raise self.process.failed(*error)
         self.raise_failed()
         self.entries = list(entries)
         self.seconds = seconds

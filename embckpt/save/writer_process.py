@@ -29,6 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from embckpt.errors import SaveError
 from embckpt.save.reference import ReferenceEdit
 from embckpt.save.shared_memory import SharedMemory
 from embckpt.save.writer_worker import WriterSpec, receive, send
@@ -146,6 +147,12 @@ class WriterProcess:
             except WriterProcessError:
                 pass  # the future holds the error
         return future.result()
+
+    def failed(self, save_error: bool, text: str) -> BaseException:
+        """The error the process reported for a save, as the rank raises it."""
+        if save_error:
+            return SaveError(text)
+        return WriterProcessError(f"the writer process (pid {self.pid}) failed: {text}")
 
     def arm(self, point: str, *, nth: int = 1, exit_code: int | None = None) -> None:
         """Tests: arms ``point`` in the writer process (its ``nth`` hit raises, or exits the

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -42,6 +41,7 @@ import torch
 from embckpt import failpoints
 from embckpt.blocks import TableShard
 from embckpt.codecs import Codec, codec_from_config
+from embckpt.errors import SaveError
 from embckpt.policy import Decision
 from embckpt.save.assemble import copied_out, kept_rows, merged_rows, staged_bytes
 from embckpt.save.capture import CapturedRows, CaptureEdit
@@ -268,7 +268,7 @@ class Worker:
                 save.clock.seconds(),
                 captured,
                 self.writer.reference.ready,
-                _picklable(save.error),
+                _described(save.error),
                 self.held.peak,
             )
         )
@@ -398,13 +398,15 @@ class Worker:
 
 
 def send(conn: Connection, message: Any) -> None:
-    """Sends ``message`` pickled by value (tensors too: never through shared-memory handles,
-    which ``Connection.send``'s pickler would use once torch is imported)."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    """Sends ``message`` to the other end of the private socket between a rank and the
+    process it started (``multiprocessing``'s own serialisation; nothing read from storage is
+    ever decoded this way). Messages hold no tensors: tensors lie in the shared memory, and
+    values are numpy arrays."""
+    conn.send(message)
 
 
 def receive(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    return conn.recv()
 
 
 def _as_arrays(rows: CapturedRows) -> tuple[Any, ...]:
@@ -417,15 +419,14 @@ def _as_arrays(rows: CapturedRows) -> tuple[Any, ...]:
     )
 
 
-def _picklable(error: BaseException | None) -> BaseException | None:
-    """The error itself where it pickles, else a RuntimeError with its text."""
+def _described(error: BaseException | None) -> tuple[bool, str] | None:
+    """An error as the rank rebuilds it: whether it is a ``SaveError`` (whose message names the
+    step, rank and file) and its text, the type named (an exception of any class crosses)."""
     if error is None:
         return None
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+    if isinstance(error, SaveError):
+        return True, str(error)
+    return False, f"{type(error).__name__}: {error}"
 
 
 def _watch_parent(parent: int) -> None:
