@@ -174,8 +174,9 @@ def overhead(train: Any, root: Path, options: dict[str, Any], steps: int) -> dic
 def lost_phase(train: Any, root: Path, args: Any) -> dict[str, Any]:
     """Every case, then the overheads at one save per ``--overhead-steps`` steps."""
     every, saves = args.save_every, args.lost_saves
-    headline_options = {**HEADLINE, "writer": args.writer}
-    raw_options = {**RAW_FULL, "writer": args.writer}
+    writer = {} if args.writer == "auto" else {"writer": args.writer}  # older releases: none
+    headline_options = {**HEADLINE, **writer}
+    raw_options = {**RAW_FULL, **writer}
     headline = ours(train, root / "headline", headline_options, saves + 1, every)
     raw = ours(train, root / "raw", raw_options, saves, every)
     cases = {

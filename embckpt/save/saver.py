@@ -8,7 +8,7 @@ Pipeline of one ``save(step)`` (every rank calls it together):
 2. decide   - fold the row trackers, take the statefuls' state (refusing what a checkpoint
               cannot hold), combine dirty fractions and interval measurements over ranks (with
               any rank's error), ask the policy (identical inputs everywhere, so an identical
-              decision);
+              decision): ``save/decide.py``;
 3. snapshot - take the tracker views the decision consumes, copy the dense state, and copy the
               rows to write (all, or the dirty rows) with their optimizer state into the staging
               arena. A checkpoint larger than the staging budget is staged and written piece by
@@ -45,32 +45,24 @@ from embckpt import dense, failpoints, kernel_cache
 from embckpt.blocks import TableShard
 from embckpt.codecs import Codec
 from embckpt.config import codec_for
-from embckpt.errors import RankError, SaveError, SaveRankError
-from embckpt.interval import IntervalMeasurements
-from embckpt.policy import Decision, Kind, PolicyInput, bits_for_restores
+from embckpt.policy import Kind, bits_for_restores
 from embckpt.save.backend import start_writer_process, uses_process, warm_kernels
 from embckpt.save.context import SaveContext
+from embckpt.save.decide import Decided, decide, mark_moving_rows, tracker_view
 from embckpt.save.guards import UpdateGuard
 from embckpt.save.pending import PendingCheckpoint
-from embckpt.save.persist import Persister, Snapshot, as_save_error, chain_bytes
+from embckpt.save.persist import Persister, Snapshot
 from embckpt.save.protect import ProtectHooks, cow_supported, device_encoder, open_window
 from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import Stager, plan_save
 from embckpt.save.staging import StagingArena
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import RowFileWriter
-from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import PhaseClock
 from embckpt.tracking import View
 
 __all__ = ["PendingCheckpoint", "Saver"]
-
-
-def tracker_view(decision: Decision) -> View:
-    """The tracker view whose rows a diff writes: where a policy's decision meets the tracker
-    (the policy knows diffs by :class:`~embckpt.policy.DiffBase`, not by tracker views)."""
-    return View.SINCE_FULL if decision.one_shot else View.SINCE_LAST
 
 
 class Saver:
@@ -219,131 +211,19 @@ class Saver:
         if not inflight.observed:
             inflight.wait()  # raises its failure, once
 
-    def _decide(self, step: int, transaction: SaveTransaction) -> _Decided:
-        """Decides the checkpoint, the same on every rank, and takes what the snapshot copies:
-        the statefuls' state and every rank's fused-optimizer counters."""
-        ctx, state = self.ctx, self.state
-        comm = ctx.comm
-        try:
-            problem = comm.broadcast(self._prepare_step_folder(step) if comm.rank == 0 else None)
-        except RankError as exc:
-            raise SaveRankError(f"step {step}: {exc}") from exc
-        if problem is not None:
-            raise SaveError(problem)
-        state.tracker.fold()  # collective for replicated tables: before anything may raise
-        local = [0.0, 0.0, 0.0]
-        scalars: dict[str, _Scalar] = {}
-        measured = state.clock.collect(state.last_blocked_s)
-        states: dict[str, Any] = {}
-        error: BaseException | None = None
-        try:
-            failpoints.hit("save.decide")
-            states = self._take_statefuls(step)
-            self.mark_moving_rows()
-            scalars = {k: _scalar(v) for k, v in ctx.sharded.scalar_states.items()}
-            for shard in ctx.sharded.writer_shards():
-                local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
-                local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
-                local[2] += shard.num_rows * shard.num_cols
-        except Exception as exc:  # raised on every rank by the agreement below
-            error = as_save_error(exc, step, comm.rank, "deciding")
-        times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
-        # Every rank's reference: a writer process that died took its rank's with it.
-        ready = state.reference.ready
-        gathered = comm.gather_checked(
-            (local, times, scalars, ready), error, f"deciding step {step}", SaveRankError
-        )
-        fused_scalars = {k: _tensor(v) for g in gathered for k, v in g[2].items()}
-        since_last, since_full, total = (sum(g[0][i] for g in gathered) for i in range(3))
-        clean, extra, blocked = (max(g[1][i] for g in gathered) for i in range(3))
-        if ctx.config.adaptive_interval and measured.iterations:
-            state.interval.update(IntervalMeasurements(clean, extra, blocked, measured.iterations))
-        state.next_step = step + state.interval.interval
-        dirty = {
-            View.SINCE_LAST: since_last / max(total, 1.0),
-            View.SINCE_FULL: since_full / max(total, 1.0),
-        }
-        head = state.head
-        decision = ctx.policy.decide(
-            PolicyInput(
-                step,
-                dirty[View.SINCE_LAST],
-                dirty[View.SINCE_FULL],
-                head.history if head is not None else (),
-                None if head is None else chain_bytes(head),
-                ctx.full_fp32_bytes,
-            )
-        )
-        if self.codec.additive and decision.kind is Kind.DIFF and not all(g[3] for g in gathered):
-            # Deltas need the reconstruction of their base, which only a full written by this
-            # process provides (not kept across a restart, a restore or a failed full).
-            decision = Decision(Kind.FULL, reason="additive codec: no reconstructed base yet")
-        transaction.decided(decision, self.codec.additive, ctx.policy.mixes_diffs)
-        return _Decided(decision, dirty, states, fused_scalars)
-
-    def _take_statefuls(self, step: int) -> dict[str, Any]:
-        """The statefuls' state, checked when the save is decided so that one a checkpoint
-        cannot hold fails the save on every rank (the decision's agreement) before anything is
-        written, naming the stateful and the key."""
-        try:
-            return dense.stateful_states(self.ctx.statefuls)
-        except Exception as exc:
-            rank = self.ctx.comm.rank
-            raise SaveError(f"step {step}: rank {rank}: cannot save the statefuls: {exc}") from exc
+    def _decide(self, step: int, transaction: SaveTransaction) -> Decided:
+        """The checkpoint, decided the same on every rank (``save/decide.py``)."""
+        return decide(self.ctx, self.state, self.codec, step, transaction)
 
     def mark_moving_rows(self) -> None:
-        """Marks the rows that change without a lookup, which the lookups alone do not say
-        changed: of data-parallel tables, those their dense optimizer moves (non-zero momentum,
-        or every row under weight decay); every row of blocks whose fused optimizer rewrites
-        them all (EMA in place)."""
-        ctx, tracker = self.ctx, self.state.tracker
-        moving = dense.moving_rows(dense.optimizer_parts(ctx.optimizer, ctx.model))
-        every_row = ctx.sharded.every_row_blocks()
-        for shard in ctx.sharded.writer_shards():
-            if shard.key in every_row:
-                rows = None
-            elif shard.sharding_type == "data_parallel" and shard.weight.data_ptr() in moving:
-                rows = moving[shard.weight.data_ptr()]
-            else:
-                continue
-            if rows is None:
-                marked = torch.arange(shard.num_rows, device=shard.weight.device)
-            else:
-                marked = torch.nonzero(rows).flatten()
-            for view in View:
-                tracker.mark(shard.key, marked, view)
-
-    def _prepare_step_folder(self, step: int) -> str | None:
-        """Rank 0, before any rank writes: refuses a committed step and a step older than a
-        committed one (the newer chain would stay "latest" and a later restore would silently
-        skip this one), clears an interrupted one."""
-        store = self.ctx.store
-        try:
-            if store.is_committed(step):
-                return (
-                    f"step {step}: {store.step_path(step, MANIFEST_NAME)} already exists; "
-                    "a committed checkpoint is never overwritten (to resume from an older step "
-                    "and drop the newer checkpoints, restore it with discard_newer=True)"
-                )
-            newer = [s for s in store.committed_steps() if s > step]
-            if newer:
-                return (
-                    f"step {step}: {store.uri} already holds newer checkpoints (steps "
-                    f"{', '.join(map(str, newer))}), which a restore would take over this one; "
-                    "to resume from an older step and drop them, restore it with "
-                    "discard_newer=True"
-                )
-            if step in store.leftover_steps():
-                store.remove_step(step)  # debris of an interrupted save of this step
-        except Exception as exc:  # broadcast: the other ranks must not wait for an answer
-            return f"step {step}: rank 0: cannot prepare {store.step_path(step)}: {exc}"
-        return None
+        """See :func:`embckpt.save.decide.mark_moving_rows`."""
+        mark_moving_rows(self.ctx, self.state.tracker)
 
     @torch.no_grad()
     def _snapshot(
         self,
         step: int,
-        decided: _Decided,
+        decided: Decided,
         started: float,
         clock: PhaseClock,
         transaction: SaveTransaction,
@@ -406,7 +286,7 @@ class Saver:
         return snapshot
 
     def _stage_state(
-        self, snapshot: Snapshot, decided: _Decided
+        self, snapshot: Snapshot, decided: Decided
     ) -> list[tuple[TableShard, torch.Tensor | None]]:
         """Takes the tracker views, copies the dense and rank state (the statefuls' and the
         counters as taken at the decision); returns each block's rows to write (None: all)."""
@@ -499,28 +379,3 @@ def _run_into(future: concurrent.futures.Future[Manifest | None], fn: Any, *args
         future.set_result(fn(*args))
     except BaseException as exc:  # delivered through the future, raised on wait()/next save()
         future.set_exception(exc)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Decided:
-    """What a save's decision hands its snapshot: the same on every rank but ``states``."""
-
-    decision: Decision
-    dirty: dict[View, float]
-    states: dict[str, Any]  # this rank's statefuls' state, checked
-    fused_scalars: dict[str, torch.Tensor]  # every rank's fused-optimizer counters
-
-
-_Scalar = tuple[str, tuple[int, ...], Any]
-"""A one-value tensor as (dtype name, shape, value): gathered as plain Python, because pickling
-tensors through ``all_gather_object`` costs ~0.1 ms each (a few hundred counters: most of a
-small model's save)."""
-
-
-def _scalar(tensor: torch.Tensor) -> _Scalar:
-    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.item()
-
-
-def _tensor(scalar: _Scalar) -> torch.Tensor:
-    dtype, shape, value = scalar
-    return torch.tensor(value, dtype=getattr(torch, dtype)).reshape(shape)
