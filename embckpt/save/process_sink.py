@@ -46,6 +46,7 @@ class ProcessSink:
         self.captured: list[CapturedRows] = []
         self.reference_ready = False
         self.peak_held_bytes = 0
+        process.save_error = None
         process.send(("begin", *begin))
 
     def chunk(self, entry: Chunk) -> None:
@@ -103,8 +104,9 @@ class ProcessSink:
         self.process.hand_over(kind, *fields, done=done)
 
     def raise_failed(self) -> None:
-        if self.error is not None:
-            raise self.error
+        error = self.error or self.process.save_error
+        if error is not None:
+            raise error
 
     def close(self, ok: bool) -> None:
         """Waits until the process read every slab it was handed and wrote the save; when

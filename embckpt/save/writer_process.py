@@ -62,6 +62,7 @@ class WriterProcess:
         self._numbers = itertools.count()
         self._finished: concurrent.futures.Future[tuple[Any, ...]] | None = None
         self._error: WriterProcessError | None = None
+        self.save_error: BaseException | None = None  # the save's first failure, sent early
         self._start()
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
 
@@ -180,6 +181,8 @@ class WriterProcess:
                     callback = self._jobs.pop(message[1], None)
                 if callback is not None:
                     callback(None)
+            elif message[0] == "error":
+                self.save_error = self.failed(*message[1])
             elif message[0] == "finished":
                 with self._lock:
                     future, self._finished = self._finished, None

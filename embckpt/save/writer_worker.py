@@ -14,7 +14,8 @@ Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker 
   edited, whether the rows are captured);
 - ``chunk`` / ``protected``: rows in a slab (by offset) to write, as
   ``save/assemble.py`` assembles them; answered ``free`` once the slab is no longer read (small
-  units are copied out and packed together, as the thread writer does);
+  units are copied out and packed together, as the thread writer does); the first error of a
+  save is sent at once (``error``), so that the rank stops copying;
 - ``finish``: every unit written; answered with the file entries, phase seconds, captured rows
   and whether the reference is set, or the first error;
 - ``commit``: the last save's reference edit applied; ``clear``: the reference dropped;
@@ -316,7 +317,10 @@ class Worker:
             work()
         except BaseException as exc:
             with save.lock:
+                first = save.error is None
                 save.error = save.error or exc
+            if first:  # the rank stops copying at once; the finish still waits for the rest
+                self.send(("error", _described(exc)))
 
     def _view(self, description: Any) -> torch.Tensor:
         """A tensor a message describes: bytes of the shared slabs, or sent by value."""
