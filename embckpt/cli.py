@@ -147,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = _command(sub, "demo", demo_command, "train the reference DLRM, kill it, restore, finish")
-    demo.add_argument("--config", default=None, help="DemoConfig YAML file (default: built-in)")
+    demo.add_argument(
+        "--config",
+        default=None,
+        help="DemoConfig YAML file (default: the package's own, embckpt/examples/demo.yaml)",
+    )
     demo.add_argument("--out", default="demo_out", help="checkpoint directory (demo_out)")
     demo.add_argument("--steps", type=positive_int, default=None, help="training steps")
     demo.add_argument(

@@ -41,6 +41,17 @@ def test_demo_config_loads_with_every_sharding_type() -> None:
     assert demo.world_size == 2
 
 
+def test_the_packaged_demo_config_is_the_repositorys() -> None:
+    """``embckpt demo`` without ``--config`` runs the package's copy; ``make demo`` runs
+    ``configs/demo.yaml``: the same settings, so both print the same table."""
+    from embckpt.examples.demo import packaged_config
+
+    packaged = packaged_config()
+    assert packaged.is_file() and packaged != DEMO_YAML
+    assert load_yaml(packaged, DemoConfig) == load_yaml(DEMO_YAML, DemoConfig)
+    assert load_yaml(packaged, DemoConfig) != DemoConfig()  # not the old toy defaults
+
+
 def test_synthetic_is_deterministic_per_seed() -> None:
     a, b = make_synthetic_dataset(SMALL, 3000), make_synthetic_dataset(SMALL, 3000)
     other = make_synthetic_dataset(dataclasses.replace(SMALL, seed=1), 3000)

@@ -105,6 +105,7 @@ def test_user_provided_frameworks_are_not_declared(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert "embckpt/py.typed" in names and "embckpt/cli.py" in names
+    assert "embckpt/examples/demo.yaml" in names  # what `embckpt demo` runs by default
     assert not [n for n in names if n.startswith("tests/")]
 
 

@@ -346,8 +346,9 @@ class Worker:
         described: dict[str, Any],
         mask: np.ndarray | None,
     ) -> bool:
-        """Writes a chunk's kept rows; returns True once the slab was freed early (small
-        units, copied out to be packed)."""
+        """Writes a chunk's kept rows; returns True once the slab was freed early (the rows
+        were copied out of it: some were dropped, or the unit is small and waits to be
+        packed)."""
         tensors = {name: self._view(d) for name, d in described.items()}
         kept = kept_rows(
             torch.from_numpy(rows), tensors, None if mask is None else torch.from_numpy(mask)
@@ -356,14 +357,16 @@ class Worker:
             return False
         local_rows, tensors, held = kept
         unit = self._unit(key, part, local_rows, tensors, not held)
-        if staged_bytes(unit) < self.spec.pack_below_bytes:
-            if not held:
-                unit, _ = copied_out(unit)
+        small = staged_bytes(unit) < self.spec.pack_below_bytes
+        if small and not held:
+            unit, held = copied_out(unit)
+        if held:  # the unit no longer reads the slab
             self.send(("free", job))
+        if small:
             self._pack(save, unit)
-            return True
-        self._write(save, [unit])
-        return False
+        else:
+            self._write(save, [unit])
+        return bool(held)
 
     def _protected(self, save: _Save, job: int, groups: list[tuple[str, int, list[Any]]]) -> bool:
         """Merges each block's protected rows (copies), frees the slab, writes them."""
