@@ -84,6 +84,7 @@ def summarise(saves: list[dict[str, Any]]) -> dict[str, Any]:
         "steps",
         "dirty_fraction",
         "median_step_s",
+        "writer_process_peak_rss_bytes",
     )
     out: dict[str, Any] = {"saves": len(saves)}
     for key in keys:
@@ -113,8 +114,20 @@ def ours(train: Any, folder: Path, options: dict[str, Any], saves: int, every: i
                 rows=manifest.stats.get("rows_written"),
             )
             measured.append(save)
+        process = getattr(ckpt._saver, "process", None)
+        if process is not None and measured:  # the writer process's peak resident memory
+            measured[-1]["writer_process_peak_rss_bytes"] = _peak_rss(process.pid)
     shutil.rmtree(folder, ignore_errors=True)
     return measured
+
+
+def _peak_rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            line = next(x for x in status if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
 
 
 def dcp_async(train: Any, root: Path, saves: int, every: int) -> tuple[list, str]:

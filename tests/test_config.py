@@ -91,6 +91,10 @@ def test_python_construction_is_checked_as_yaml_is() -> None:
         CheckpointConfig(io_threads=True)
     with pytest.raises(ConfigError, match=r"lock_lease_s must be > 0"):
         CheckpointConfig(lock_lease_s=0)
+    with pytest.raises(ConfigError, match=r"io_threads must be > 0, got 0"):
+        CheckpointConfig(io_threads=0)
+    with pytest.raises(ConfigError, match=r"writer 'fork' is not one of \('auto', 'process'"):
+        CheckpointConfig(writer="fork")
     # The range checks still run after the type checks, and dataclasses.replace re-checks.
     with pytest.raises(ConfigError, match=r"CheckpointConfig\.keep_last: expected an integer"):
         dataclasses.replace(CheckpointConfig(), keep_last="2")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,6 +58,9 @@ class Staging(Protocol):
     def owns(self, address: int) -> bool:
         """Whether ``address`` lies in the staged rows (a view the codec did not copy)."""
         ...
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -414,7 +418,15 @@ class RowFileWriter:
         """Encodes a full and a diff of a few rows of each block layout of ``shards`` with
         ``codec``, as a save would, writing nothing and keeping no reference: the compiled
         kernels this needs (numba's, loaded from its disk cache or compiled) are then ready
-        before the first save, whose window would otherwise wait for them."""
+        before the first save, whose window would otherwise wait for them. A failure is only
+        logged: a save that needs what this could not ready compiles it then, and reports its
+        own errors."""
+        try:
+            self._warm(codec, shards)
+        except Exception as exc:
+            log.warning("could not ready the codec's kernels before the first save: %s", exc)
+
+    def _warm(self, codec: Codec, shards: list[TableShard]) -> None:
         layouts = {_layout(shard): shard for shard in shards}
         reference, staging = self.reference, self.staging
         self.reference, self.staging = ReconstructedRows(), None

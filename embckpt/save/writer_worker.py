@@ -194,8 +194,7 @@ class Worker:
 
     def warm(self) -> None:
         """The save codec's kernels, loaded before the first save asks for them."""
-        codec = self._codec(self.spec.codec)
-        self.writer.warm(codec, list(self.shards.values()))
+        self.writer.warm(self._codec(self.spec.codec), list(self.shards.values()))
         self.writer.staging = self.held
 
     def _codec(self, config: dict[str, Any]) -> Codec:
