@@ -184,6 +184,8 @@ def measure(args: argparse.Namespace, record: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     device = torch.device(args.device)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
@@ -423,6 +425,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="steps per tracking round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--writer", default="auto", choices=("auto", "process", "thread"), help="(lost)")
+    p.add_argument(
+        "--no-overhead-direct",
+        dest="overhead_direct",
+        action="store_false",
+        help="(lost) skip the blocks of --overhead-steps steps with and without a save",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads (CPU: 1 leaves the other cores to the writer, as a GPU "
+        "host's training process does)",
+    )
     p.add_argument("--save-every", type=int, default=100, help="steps between saves (lost)")
     p.add_argument("--lost-saves", type=int, default=3, help="saves per case (lost)")
     p.add_argument(
@@ -450,6 +465,8 @@ def main() -> None:
             "save_every",
             "lost_saves",
             "overhead_steps",
+            "writer",
+            "torch_threads",
         )
     }
 

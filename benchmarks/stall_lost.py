@@ -232,7 +232,8 @@ def lost_phase(train: Any, root: Path, args: Any) -> dict[str, Any]:
         derived = None if lost is None or not step else 100 * lost / (steps * step)
         out[f"step_overhead_pct_{name}_1_per_{steps}"] = derived
     for name, options in (("headline", headline_options), ("raw_full", raw_options)):
-        out[f"overhead_{name}_direct"] = overhead(train, root, options, steps)
+        if args.overhead_direct:
+            out[f"overhead_{name}_direct"] = overhead(train, root, options, steps)
     return out
 
 

@@ -76,12 +76,12 @@ def test_every_codec_under_every_policy_restores_what_the_writer_meant() -> None
 def test_fault_schedules_through_the_writer_process() -> None:
     """Copy-on-write saves written by each rank's writer process, under the same faults plus
     the process's death mid-save: no restore lies, the ranks agree, training goes on."""
-    schedules = [make_schedule(seed, writer="process") for seed in (1001, 1004)]
+    schedules = [make_schedule(1001, writer="process")]  # raw, one-shot, 3 exits, 3 reshards
     exits = [op[1] for s in schedules for op in s.ops if op[0] == "save" and op[1]]
-    assert sum(1 for fault in exits if fault.kind == "exit") >= 4
+    assert sum(1 for fault in exits if fault.kind == "exit") >= 3
     problems, per_rank = _run(schedules)
     assert problems == []
     ours = per_rank[0]
-    assert sum(o.saves_failed for o in ours) >= 4
+    assert sum(o.saves_failed for o in ours) >= 3
     assert sum(o.saves_committed for o in ours) >= 3 * len(schedules)
     assert sum(o.restores_checked for o in ours) >= 2 * len(schedules)
