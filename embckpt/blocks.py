@@ -6,7 +6,7 @@ to do so), so that the writer process (``save/writer_worker.py``) imports neithe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,3 +52,17 @@ class TableShard:
     def key(self) -> str:
         """Unique name of the block: table, row and column offsets."""
         return f"{self.table}/r{self.row_offset}_c{self.col_offset}"
+
+    def on_meta(self) -> TableShard:
+        """This block with its tensors on the meta device: shapes and types without memory,
+        as the writer process gets it."""
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+        return replace(
+            self,
+            weight=meta(self.weight),
+            row_states={n: meta(t) for n, t in self.row_states.items()},
+            elem_states={n: meta(t) for n, t in self.elem_states.items()},
+        )

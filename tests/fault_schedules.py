@@ -419,14 +419,7 @@ class _Run:
 
 def _live(model: Any, opt: Any, rank: int) -> dict:
     """This rank's writer blocks as the reconstruction spells them, and its dense state."""
-    from embckpt.sharding import discover
-
-    blocks = {}
-    for shard in discover(model, rank).writer_shards():
-        values = {"weight": shard.weight.detach().float().clone()}
-        values.update({f"row:{n}": t.float().clone() for n, t in shard.row_states.items()})
-        values.update({f"elem:{n}": t.float().clone() for n, t in shard.elem_states.items()})
-        blocks[shard.key] = values
+    blocks = tm.writer_blocks(model, rank)
     state = tm.snapshot_state(model, opt, rank)
     # Data-parallel tables are in the state dict as plain tensors: their rows are checked as
     # the writer's blocks (rank 0's), encoded by the row codec like every table's.

@@ -29,19 +29,6 @@ LOSSY = {"policy": "one_shot", "full_every": 0, "codec": "adaptive", "bits": 4}
 SMALL_SLABS = {"staging_budget_bytes": 20000, "pack_below_bytes": 0}  # steps run in windows
 
 
-def _blocks(model, opt, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's writer blocks as ``Checkpointer.reconstruction()`` spells them."""
-    from embckpt.sharding import discover
-
-    out = {}
-    for shard in discover(model, rank).writer_shards():
-        values = {"weight": shard.weight.detach().float().cpu()}
-        values.update({f"row:{n}": t.float().cpu() for n, t in shard.row_states.items()})
-        values.update({f"elem:{n}": t.float().cpu() for n, t in shard.elem_states.items()})
-        out[shard.key] = values
-    return out
-
-
 def _off(expected: dict, live: dict) -> list[str]:
     return sorted(
         f"{key}:{name}"
@@ -98,7 +85,7 @@ def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "
     with Checkpointer(fresh, root, optimizer=fresh_opt, config=config) as other:
         for saved in sorted(expected, reverse=True):
             restored = other.restore(saved, discard_newer=True)
-            blocks = _blocks(fresh, fresh_opt, rank)
+            blocks = tm.writer_blocks(fresh, rank)
             # Data-parallel tables' rows are checked as blocks (the row codec encodes them).
             dense = {
                 k: v
@@ -120,7 +107,7 @@ def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "
         other.save(step).wait()
         meant = other.reconstruction()
         other.restore(step)
-        out["continued"] = _off(meant, _blocks(fresh, fresh_opt, rank))
+        out["continued"] = _off(meant, tm.writer_blocks(fresh, rank))
     return out
 
 
@@ -196,7 +183,7 @@ def _writer_fails(rank: int, world_size: int, root: str, exit_code: int | None) 
         out["off"] = {}
         for step, discard in ((5, False), (1, True)):
             ckpt.restore(step, discard_newer=discard)
-            out["off"][step] = _off(meant[step], _blocks(model, opt, rank))
+            out["off"][step] = _off(meant[step], tm.writer_blocks(model, rank))
         tm.train_step(model, opt, 2, rank, hot=60)
         out["after"] = ckpt.save(2).wait().kind
     return out

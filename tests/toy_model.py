@@ -155,6 +155,18 @@ def snapshot_state(dmp, opt, rank: int) -> dict[str, Any]:
     return out
 
 
+def writer_blocks(dmp, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's writer blocks as ``Checkpointer.reconstruction()`` spells them: fp32 CPU
+    copies of each block's ``weight``, ``row:<state>`` and ``elem:<state>``."""
+    blocks = {}
+    for shard in discover(dmp, rank).writer_shards():
+        values = {"weight": shard.weight.detach().float().cpu().clone()}
+        values.update({f"row:{n}": t.float().cpu().clone() for n, t in shard.row_states.items()})
+        values.update({f"elem:{n}": t.float().cpu().clone() for n, t in shard.elem_states.items()})
+        blocks[shard.key] = values
+    return blocks
+
+
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Keys whose tensors are not bit-identical (or exist on one side only)."""
     keys = set(a) | set(b)

@@ -22,7 +22,7 @@ from embckpt.save.protect import device_encoder
 from embckpt.save.slabs import SlabPool
 from embckpt.save.writer import RowFileWriter
 from embckpt.save.writer_process import WriterProcess
-from embckpt.save.writer_worker import ShardShape, WriterSpec
+from embckpt.save.writer_worker import WriterSpec
 from embckpt.storage.fs import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def start_writer_process(
         threads=writer.threads,
         pack_below_bytes=writer.pack_below_bytes,
         memory_bytes=slabs.memory.nbytes,
-        shards={s.key: ShardShape.of(s) for s in shards},
+        shards={s.key: s.on_meta() for s in shards},
     )
     return WriterProcess(spec, slabs.memory)
 

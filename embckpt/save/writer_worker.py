@@ -48,7 +48,7 @@ from embckpt.save.assemble import copied_out, kept_rows, merged_rows, staged_byt
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReferenceEdit
 from embckpt.save.shared_memory import attach
-from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
+from embckpt.save.snapshot import StagedUnit, Unit
 from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter, WriteEdits
 from embckpt.storage.manifest import FileEntry
 from embckpt.storage.phases import PhaseClock
@@ -71,57 +71,7 @@ class WriterSpec:
     threads: int
     pack_below_bytes: int
     memory_bytes: int
-    shards: dict[str, ShardShape]  # by key
-
-
-@dataclass(frozen=True)
-class ShardShape:
-    """A block as the writer needs it: its identity and its tensors' shapes and types."""
-
-    table: str
-    fqn: str
-    sharding_type: str
-    row_offset: int
-    col_offset: int
-    table_rows: int
-    table_cols: int
-    tensors: dict[str, tuple[tuple[int, ...], str]]  # shard_tensors' names
-
-    @classmethod
-    def of(cls, shard: TableShard) -> ShardShape:
-        tensors = {
-            name: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for name, t in shard_tensors(shard)
-        }
-        return cls(
-            shard.table,
-            shard.fqn,
-            shard.sharding_type,
-            shard.row_offset,
-            shard.col_offset,
-            shard.table_rows,
-            shard.table_cols,
-            tensors,
-        )
-
-    def shard(self) -> TableShard:
-        """The block, its tensors on the meta device (shapes without memory)."""
-        meta = {
-            name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-            for name, (shape, dtype) in self.tensors.items()
-        }
-        return TableShard(
-            table=self.table,
-            fqn=self.fqn,
-            sharding_type=self.sharding_type,
-            row_offset=self.row_offset,
-            col_offset=self.col_offset,
-            table_rows=self.table_rows,
-            table_cols=self.table_cols,
-            weight=meta["weight"],
-            row_states={k[4:]: v for k, v in meta.items() if k.startswith("row:")},
-            elem_states={k[5:]: v for k, v in meta.items() if k.startswith("elem:")},
-        )
+    shards: dict[str, TableShard]  # by key, their tensors on the meta device
 
 
 @dataclass
@@ -181,7 +131,7 @@ class Worker:
             pack_below_bytes=spec.pack_below_bytes,
         )
         self.held = _Held(memory)
-        self.shards = {key: shape.shard() for key, shape in spec.shards.items()}
+        self.shards = spec.shards
         self.tasks = concurrent.futures.ThreadPoolExecutor(spec.threads, "embckpt-writer")
         self.save: _Save | None = None
         self.edit: ReferenceEdit | None = None  # the last save's, applied at its commit
