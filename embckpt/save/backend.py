@@ -70,11 +70,12 @@ def warm_kernels(
         writer.warm(codec, shards)
     device = shards[0].weight.device if shards else torch.device("cpu")
     if cow and device.type == "cuda":
+        generator = torch.Generator(device).manual_seed(0)  # the job's own RNG is left alone
         for full in (True, False):
             encoder = device_encoder(codec, full, device)
             if encoder is None:
                 continue
             for cols in sorted({s.num_cols for s in shards if s.weight.dtype == torch.float32}):
-                encoder(torch.randn(8, cols, device=device) * 0.05)
+                encoder(torch.randn(8, cols, device=device, generator=generator) * 0.05)
         torch.cuda.synchronize(device)
     log.debug("save kernels ready in %.2f s", time.perf_counter() - started)
