@@ -323,3 +323,38 @@ def test_writer_worker_starts_without_torchrec() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def _tiered(rank: int, world_size: int, root: str) -> dict:
+    """A node-local tier with a peer replica and a durable copy every second checkpoint, the
+    rows written by the writer process into the node's folder."""
+    from embckpt import CheckpointConfig, Checkpointer
+
+    os.environ["EMBCKPT_NODE"] = f"n{rank}"
+    config = CheckpointConfig(
+        policy="one_shot", writer="process", local_dir=f"{root}/local", replicas=1
+    )
+    model, opt = tm.build(world_size, seed=0)
+    expected = {}
+    with Checkpointer(model, f"{root}/durable", optimizer=opt, config=config) as ckpt:
+        for step in range(1, 16):
+            tm.train_step(model, opt, step, rank, hot=60)
+            if step % 5 == 0:
+                ckpt.save(step).wait()
+                expected[step] = tm.snapshot_state(model, opt, rank)
+    fresh, fresh_opt = tm.build(world_size, seed=3)
+    with Checkpointer(fresh, f"{root}/durable", optimizer=fresh_opt, config=config) as other:
+        result = other.load()
+    return {
+        "step": result.manifest.step,
+        "tiers": sorted(result.bytes_by_tier),
+        "diff": tm.differences(expected[15], tm.snapshot_state(fresh, fresh_opt, rank)),
+        "replica": sorted(p.name for p in Path(root, "local/n0/replicas/n1").glob("step_*")),
+    }
+
+
+def test_the_writer_process_writes_into_the_node_local_tier(tmp_path: Path) -> None:
+    results = run_ranks(_tiered, 2, str(tmp_path), timeout_s=240)
+    for rank, out in enumerate(results):
+        assert out["step"] == 15 and out["diff"] == [], (rank, out)
+    assert results[0]["replica"] == ["step_000000000005", "step_000000000010", "step_000000000015"]
