@@ -10,10 +10,13 @@ shared staging memory), so device-to-host copies into it run asynchronously on a
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class SharedMemory:
@@ -39,10 +42,16 @@ class SharedMemory:
         assert self.tensor is not None, "the shared memory is closed"
         slab = self.tensor[offset : offset + nbytes]
         if self.pinned:
-            check = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 1)  # portable
-            if int(check) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {check}")
-            self._registered.append(slab.data_ptr())
+            check = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 1))
+            if check == 0:  # 1: cudaHostRegisterPortable
+                self._registered.append(slab.data_ptr())
+            else:  # copies into pageable memory are synchronous, not wrong: said, not raised
+                self.pinned = False
+                log.warning(
+                    "could not page-lock the shared staging memory (cudaHostRegister: error "
+                    "%d): device-to-host copies into it will not overlap training",
+                    check,
+                )
         return slab
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
