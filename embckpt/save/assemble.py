@@ -14,7 +14,8 @@ import torch
 
 from embckpt.save.snapshot import StagedUnit
 
-_ALIGN = 64
+ALIGN = 64
+"""Bytes every tensor copied into a slab is aligned to (a cache line)."""
 
 
 def kept_rows(
@@ -66,4 +67,4 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
+    return -(-size // ALIGN) * ALIGN

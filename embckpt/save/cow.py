@@ -39,13 +39,12 @@ from typing import Any
 import torch
 
 from embckpt.blocks import TableShard
-from embckpt.save.assemble import aligned, kept_rows, merged_rows, nbytes
+from embckpt.save.assemble import ALIGN, aligned, kept_rows, merged_rows, nbytes
 from embckpt.save.slabs import SlabPool
 from embckpt.save.snapshot import StagedUnit, Unit, shard_tensors
 
 DEVICE_SLICE_BYTES = 32 << 20
 """Most bytes of rows one step gathers on the device before their copy to the host."""
-_ALIGN = 64
 
 Encoder = Callable[[torch.Tensor], "tuple[torch.Tensor, bool] | None"]
 """Quantizes rows on their device into fused rows (None: the codec's CPU path encodes)."""
@@ -153,7 +152,7 @@ class CowSession:
         self.modules: list[_Module] = []
         for bits, blocks in modules:
             for block in blocks:
-                if pool.slab_bytes - 8 * _ALIGN < _row_bytes(block.shard):
+                if pool.slab_bytes - 8 * ALIGN < _row_bytes(block.shard):
                     raise ValueError(
                         f"staging budget of {pool.budget_bytes} bytes cannot hold one row of "
                         f"{block.shard.table} in a slab of {pool.slab_bytes} bytes"
@@ -214,7 +213,7 @@ class CowSession:
 
     def _protect_rows(self, block: CowBlock, local: torch.Tensor, stream: Any | None) -> None:
         per_row = _row_bytes(block.shard)
-        step = max(min(DEVICE_SLICE_BYTES, self.pool.slab_bytes - 8 * _ALIGN) // per_row, 1)
+        step = max(min(DEVICE_SLICE_BYTES, self.pool.slab_bytes - 8 * ALIGN) // per_row, 1)
         for start in range(0, int(local.numel()), step):
             rows = local[start : start + step]
             if self.cuda and len(self._slices) >= 2:
@@ -303,7 +302,7 @@ class CowSession:
         """[lo, hi) of the block's selected rows (or of its rows), one slab's worth each."""
         total = block.shard.num_rows if block.rows is None else int(block.rows.numel())
         per_row = _row_bytes(block.shard)
-        step = max(min(self.max_rows, (self.pool.slab_bytes - 8 * _ALIGN) // per_row), 1)
+        step = max(min(self.max_rows, (self.pool.slab_bytes - 8 * ALIGN) // per_row), 1)
         for lo in range(0, total, step):
             yield lo, min(lo + step, total)
 
@@ -323,7 +322,7 @@ class CowSession:
         when ``eager``) and the mask of the rows it claimed (the others a step claimed first:
         dropped from the chunk)."""
         if eager:
-            slab = self.pool.scratch((span[1] - span[0]) * _row_bytes(block.shard) + 8 * _ALIGN)
+            slab = self.pool.scratch((span[1] - span[0]) * _row_bytes(block.shard) + 8 * ALIGN)
         else:
             slab = self.pool.take()
         mod = self.modules[module]

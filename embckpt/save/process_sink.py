@@ -45,7 +45,6 @@ class ProcessSink:
         self.seconds: dict[str, float] = {}
         self.captured: list[CapturedRows] = []
         self.reference_ready = False
-        self.peak_held_bytes = 0
         process.save_error = None
         process.send(("begin", *begin))
 
@@ -120,7 +119,7 @@ class ProcessSink:
             if ok:
                 raise
             return
-        entries, seconds, captured, ready, error, peak = answer
+        entries, seconds, captured, ready, error = answer
         self.reference_ready = ready
         if not ok:
             return
@@ -129,7 +128,6 @@ class ProcessSink:
         self.raise_failed()
         self.entries = list(entries)
         self.seconds = seconds
-        self.peak_held_bytes = peak
         self.captured = [_as_tensors(rows) for rows in captured or []]
 
     def record(self, clock: PhaseClock) -> None:

@@ -136,7 +136,7 @@ class WriterProcess:
 
     def finish(self) -> tuple[Any, ...]:
         """Waits until every unit of the save is written; returns the process's answer:
-        (entries, phase seconds, captured rows, reference ready, error, peak held bytes)."""
+        (entries, phase seconds, captured rows, reference ready, error)."""
         future: concurrent.futures.Future[tuple[Any, ...]] = concurrent.futures.Future()
         with self._lock:
             self._finished = future

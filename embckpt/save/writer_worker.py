@@ -16,8 +16,8 @@ Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker 
   ``save/assemble.py`` assembles them; answered ``free`` once the slab is no longer read (small
   units are copied out and packed together, as the thread writer does); the first error of a
   save is sent at once (``error``), so that the rank stops copying;
-- ``finish``: every unit written; answered with the file entries, phase seconds, captured rows
-  and whether the reference is set, or the first error;
+- ``finish``: every unit written; answered with the file entries, phase seconds, captured rows,
+  whether the reference is set and the first error, if any;
 - ``commit``: the last save's reference edit applied; ``clear``: the reference dropped;
 - ``arm`` / ``disarm``: failure points of this process (tests); ``close``: exit.
 
@@ -91,24 +91,21 @@ class _Save:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Held:
-    """The writer's count of encoded buffers outside the shared slabs (its peak reported)."""
+class _SharedSlabs:
+    """What the writer's encoded-buffer accounting asks of its staging (``writer.Staging``):
+    which addresses are the shared slabs (views the codec did not copy). Nothing is counted
+    here: the rank's pool bounds the slabs, and this process holds at most ``threads`` units
+    and one pack of small ones besides."""
 
     def __init__(self, memory: torch.Tensor) -> None:
         self._base = memory.data_ptr()
         self._end = self._base + memory.numel()
-        self._lock = threading.Lock()
-        self.held = 0
-        self.peak = 0
 
     def hold(self, nbytes: int) -> None:
-        with self._lock:
-            self.held += nbytes
-            self.peak = max(self.peak, self.held)
+        pass
 
     def release(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
+        pass
 
     def owns(self, address: int) -> bool:
         return self._base <= address < self._end
@@ -130,7 +127,6 @@ class Worker:
             threads=spec.threads,
             pack_below_bytes=spec.pack_below_bytes,
         )
-        self.held = _Held(memory)
         self.shards = spec.shards
         self.tasks = concurrent.futures.ThreadPoolExecutor(spec.threads, "embckpt-writer")
         self.save: _Save | None = None
@@ -145,7 +141,7 @@ class Worker:
     def warm(self) -> None:
         """The save codec's kernels, loaded before the first save asks for them."""
         self.writer.warm(self._codec(self.spec.codec), list(self.shards.values()))
-        self.writer.staging = self.held
+        self.writer.staging = _SharedSlabs(self.memory)
 
     def _codec(self, config: dict[str, Any]) -> Codec:
         key = repr(sorted(config.items()))
@@ -181,19 +177,11 @@ class Worker:
             reference=None if edit is None else ReferenceEdit(restarts_chain=edit),
             capture=CaptureEdit() if capture else None,
         )
-        self.held.peak = self.held.held
         self.save = _Save(step, decision, self._codec(codec), edits)
 
-    def _on_chunk(
-        self,
-        job: int,
-        key: str,
-        part: int,
-        rows: np.ndarray,
-        tensors: dict[str, Any],
-        mask: np.ndarray | None,
-    ) -> None:
-        self._task(job, lambda save: self._chunk(save, job, key, part, rows, tensors, mask))
+    def _on_chunk(self, job: int, *fields: Any) -> None:
+        """``fields``: block key, file part, local rows, tensors described, mask (None: all)."""
+        self._task(job, lambda save: self._chunk(save, job, *fields))
 
     def _on_protected(self, job: int, groups: list[tuple[str, int, list[Any]]]) -> None:
         self._task(job, lambda save: self._protected(save, job, groups))
@@ -219,7 +207,6 @@ class Worker:
                 captured,
                 self.writer.reference.ready,
                 _described(save.error),
-                self.held.peak,
             )
         )
 
