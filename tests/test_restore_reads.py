@@ -69,7 +69,8 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
 
 def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:
     from embckpt.codecs import make_codec
-    from embckpt.read.apply import WrittenRows, _put
+    from embckpt.read.cells import WrittenRows
+    from embckpt.read.cells import put_cells as _put
     from embckpt.sharding import TableShard
 
     codec = make_codec("raw")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import abc
 import inspect
+import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,6 +50,9 @@ class Codec(abc.ABC):
     format_version: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
     additive: ClassVar[bool] = False
+    rows_independent: ClassVar[bool] = False
+    """Whether each row decodes from its own bytes and the batch's metadata alone, so that
+    batches of equal metadata decode as one (:meth:`decode_many`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +82,35 @@ class Codec(abc.ABC):
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
         """Decodes to a CPU tensor [n, num_cols] of the dtype that was encoded."""
 
+    def decode_many(self, items: Sequence[EncodedRows], num_cols: int) -> list[torch.Tensor]:
+        """Decodes several batches (a block's files along a chain), each as :meth:`decode`
+        would. Codecs whose rows decode independently of each other (``rows_independent``)
+        decode the batches that share metadata and column types as one: a restore of a long
+        chain pays one decode per group, not one per file."""
+        if not self.rows_independent or len(items) < 2:
+            return [self.decode(item, num_cols) for item in items]
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault(_batch_key(item), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = self.decode(items[members[0]], num_cols)
+                continue
+            first = items[members[0]]
+            joined = EncodedRows(
+                {
+                    name: pa.concat_arrays([_chunk(items[i].columns[name]) for i in members])
+                    for name in first.columns
+                },
+                first.metadata,
+            )
+            decoded = self.decode(joined, num_cols)
+            counts = [len(_chunk(next(iter(items[i].columns.values())))) for i in members]
+            for i, part in zip(members, torch.split(decoded, counts), strict=True):
+                out[i] = part
+        return [t for t in out if t is not None]
+
     def get_config(self) -> dict[str, Any]:
         """Everything needed to rebuild this codec: its id, format version and options."""
         return {"id": self.codec_id, "version": self.format_version, **self._options()}
@@ -89,6 +122,16 @@ class Codec(abc.ABC):
     def from_config(cls, config: Mapping[str, Any]) -> Codec:
         options = {k: v for k, v in config.items() if k not in ("id", "version")}
         return cls(**options)
+
+
+def _chunk(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+
+
+def _batch_key(item: EncodedRows) -> str:
+    """Batches with equal keys decode as one: the same metadata and the same column types."""
+    types = sorted((name, str(column.type)) for name, column in item.columns.items())
+    return json.dumps([item.metadata, types], sort_keys=True, default=str)
 
 
 _REGISTRY: dict[str, type[Codec]] = {}

@@ -37,6 +37,7 @@ Decoding adds nothing by itself: it returns the change, which the reader adds (`
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -202,33 +203,64 @@ class DeltaCodec(Codec):
         return EncodedRows({PAYLOAD: binary_column(offsets, buffer)}, meta, hint)
 
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
-        column = encoded.columns[PAYLOAD]
-        if isinstance(column, pa.ChunkedArray):
-            column = column.combine_chunks()
-        if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
-            raise CodecError("delta payload is not a binary column")
-        offsets, buffer = binary_buffers(column)
-        lengths = np.diff(offsets)
-        meta = encoded.metadata
+        return self.decode_many([encoded], num_cols)[0]
+
+    def decode_many(self, items: Sequence[EncodedRows], num_cols: int) -> list[torch.Tensor]:
+        """Decodes the batches (a block's diffs along a chain) with one inner decode per width
+        and inner metadata over all of them: a long chain of small diffs pays per width, not
+        per file."""
+        columns, keys = [], []
+        parts: dict[tuple[int, int, str], int] = {}  # (bits, length, inner metadata) -> key
+        for encoded in items:
+            column = encoded.columns[PAYLOAD]
+            if isinstance(column, pa.ChunkedArray):
+                column = column.combine_chunks()
+            if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+                raise CodecError("delta payload is not a binary column")
+            columns.append(column.cast(pa.large_binary()))
+            keys.append(self._row_keys(column, encoded.metadata, parts))
+        out = np.zeros((sum(len(c) for c in columns), num_cols), dtype=np.float32)
+        if len(out):
+            offsets, buffer = binary_buffers(pa.concat_arrays(columns))
+            key = np.concatenate(keys)
+            for (bits, length, part), k in parts.items():
+                rows = np.flatnonzero(key == k)
+                if not len(rows):
+                    continue
+                data = buffer[offsets[rows][:, None] + np.arange(length)]
+                if bits == RAW_BITS:
+                    out[rows] = data.view("<f4")
+                    continue
+                inner = EncodedRows({PAYLOAD: fixed_binary_column(data)}, json.loads(part))
+                out[rows] = self._width_codec(bits).decode(inner, num_cols).float().numpy()
+        decoded = torch.from_numpy(out)
+        return list(torch.split(decoded, [len(c) for c in columns]))
+
+    @staticmethod
+    def _row_keys(
+        column: pa.Array, meta: Mapping[str, Any], parts: dict[tuple[int, int, str], int]
+    ) -> np.ndarray:
+        """Each row's decode group (-1: width 0, the row restores as its reference), groups
+        keyed by width, entry length and the inner codec's metadata, new ones added to
+        ``parts``.
+
+        Raises:
+            CodecError: a row's length matches none of the batch's widths.
+        """
+        lengths = np.diff(binary_buffers(column)[0])
         widths = {int(length): int(bits) for bits, length in meta.get("widths", [])}
         # A lookup table, not np.unique: a diff's few rows decode in microseconds.
-        known = np.zeros(max([int(lengths.max(initial=0)), *widths]) + 1, dtype=bool)
-        known[[0, *widths]] = True
-        if not known[lengths].all():
-            unknown = np.unique(lengths[~known[lengths]])
-            raise CodecError(f"delta rows of {unknown.tolist()} bytes match no width {widths}")
-        out = np.zeros((len(lengths), num_cols), dtype=np.float32)
+        lookup = np.full(max([int(lengths.max(initial=0)), *widths]) + 1, -2, dtype=np.int64)
+        lookup[0] = -1
         for length, bits in widths.items():
-            rows = np.flatnonzero(lengths == length)
-            if not len(rows):
-                continue
-            data = buffer[offsets[rows][:, None] + np.arange(length)]
-            if bits == RAW_BITS:
-                out[rows] = data.view("<f4")
-            else:
-                part = EncodedRows({PAYLOAD: fixed_binary_column(data)}, meta["parts"][str(bits)])
-                out[rows] = self._width_codec(bits).decode(part, num_cols).float().numpy()
-        return torch.from_numpy(out)
+            inner = {} if bits == RAW_BITS else meta["parts"][str(bits)]
+            part = (bits, length, json.dumps(inner, sort_keys=True))
+            lookup[length] = parts.setdefault(part, len(parts))
+        keys = lookup[lengths]
+        if (keys == -2).any():
+            unknown = np.unique(lengths[keys == -2])
+            raise CodecError(f"delta rows of {unknown.tolist()} bytes match no width {widths}")
+        return keys
 
 
 def deltas_for(codec: Codec, entropy: str) -> DeltaCodec | None:

@@ -80,6 +80,7 @@ def float_list_rows(column: pa.Array | pa.ChunkedArray, num_cols: int) -> torch.
 class _HalfCodec(StagedCodec):
     dtype: ClassVar[torch.dtype]
     format_version = 2
+    rows_independent = True
 
     def _options(self) -> dict[str, Any]:
         return {"entropy": self.entropy}

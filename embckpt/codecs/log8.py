@@ -62,6 +62,7 @@ class Log8Codec(StagedCodec):
 
     codec_id = "log8"
     format_version = 1
+    rows_independent = True
 
     def __init__(self, entropy: str = "none") -> None:
         super().__init__(entropy)

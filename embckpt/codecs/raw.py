@@ -45,6 +45,7 @@ class RawCodec(StagedCodec):
     codec_id = "raw"
     format_version = 2
     lossless = True
+    rows_independent = True
 
     def __init__(self, entropy: str = "none") -> None:
         super().__init__(entropy)

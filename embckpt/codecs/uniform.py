@@ -280,6 +280,7 @@ class UniformCodec(StagedCodec):
 
     format_version: ClassVar[int] = 1
     bias_stored: ClassVar[bool] = True
+    rows_independent = True
 
     def __init__(
         self, bits: int = 4, entropy: str = DEFAULT_ENTROPY, param_dtype: str = "auto"

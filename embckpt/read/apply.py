@@ -24,6 +24,15 @@ import torch
 from embckpt.blocks import TableShard
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
+from embckpt.read.cells import (
+    RowStateRows,
+    WrittenRows,
+    apply_row_states,
+    as_numpy,
+    put_cells,
+    take,
+)
+from embckpt.read.chain_pass import apply_block_chain, chain_blocks
 from embckpt.read.plan import Keep, plan_reads
 from embckpt.read.pool import worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
@@ -31,28 +40,6 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 from embckpt.storage.rowfile_read import RowBatch, row_state_values
-
-
-@dataclass
-class WrittenRows:
-    """Rows of one file written into one column segment of one block."""
-
-    shard: TableShard
-    local_rows: torch.Tensor  # ascending, local to the block
-    col_lo: int  # global columns [col_lo, col_hi) written
-    col_hi: int
-    from_diff: bool
-
-
-@dataclass
-class _RowStateRows:
-    """Row-wise state values of one file for one block; applied per checkpoint."""
-
-    shard: TableShard
-    local_rows: np.ndarray
-    col_lo: int  # the global columns [col_lo, col_hi) the file gives the block: the weight
-    col_hi: int
-    values: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -85,9 +72,10 @@ def apply_staged(
     clock: PhaseClock | None = None,
 ) -> list[WrittenRows]:
     """Decodes and writes staged files into their blocks: the chain's base whole
-    (contiguous copies beat a scatter that skips the few rows diffs replace), then every diff
-    in parallel (each cell comes from the newest diff holding it), or diff by diff in chain
-    order when one of an additive codec adds to older ones; then the row-wise states,
+    (contiguous copies beat a scatter that skips the few rows diffs replace), then the diffs:
+    of most blocks all along the chain at once (``chain_pass.py``), of the others file by
+    file, in parallel (each cell comes from the newest diff holding it), or diff by diff in
+    chain order when one of an additive codec adds to older ones; then the row-wise states,
     checkpoint by checkpoint.
 
     Returns:
@@ -97,12 +85,14 @@ def apply_staged(
     if not by_position:
         return []
     base = [_unmasked(file) for file in by_position[0]]
-    diffs: list[list[StagedFile]] = [list(files) for files in by_position[1:]]
+    blocks = chain_blocks([file for files in by_position[1:] for file in files])
+    in_pass = {id(file) for files in blocks for file in files}
+    diffs = [[file for file in files if id(file) not in in_pass] for files in by_position[1:]]
     if not any(file.additive for files in diffs for file in files):
         diffs = [[file for files in diffs for file in files]]
     waves = [base, *diffs]
     written: list[WrittenRows] = []
-    states: dict[int, list[_RowStateRows]] = {}
+    states: dict[int, list[RowStateRows]] = {}
     try:
         with worker_pool(threads, "embckpt-apply") as pool:
             for wave in waves:
@@ -113,17 +103,22 @@ def apply_staged(
                 ):
                     written.extend(weights)
                     states.setdefault(file.read.position, []).extend(row_states)
+            # Other blocks than the waves': written after them or beside them alike.
+            for weights, found in pool.map(lambda fs: apply_block_chain(fs, clock), blocks):
+                written.extend(weights)
+                for position, rows in found:
+                    states.setdefault(position, []).append(rows)
     finally:
         release([file for files in by_position for file in files])
     with clock.time("apply"):
         for position in sorted(states):
-            _apply_row_states(states[position])
+            apply_row_states(states[position])
     return written
 
 
 def _apply_file(
     staged: StagedFile, clock: PhaseClock
-) -> tuple[list[WrittenRows], list[_RowStateRows]]:
+) -> tuple[list[WrittenRows], list[RowStateRows]]:
     """Decodes one staged file batch by batch and writes, into each target block, the cells
     its :class:`Keep` still gives; returns what it wrote and the row-wise states to apply.
 
@@ -147,7 +142,7 @@ def _apply_file(
     lo = min(t.row_offset for t in read.targets)
     hi = max(t.row_offset + t.num_rows for t in read.targets)
     written: list[WrittenRows] = []
-    row_state_rows: list[_RowStateRows] = []
+    row_state_rows: list[RowStateRows] = []
     batches = staged.checked.read(lo, hi)
     try:
         while True:
@@ -159,8 +154,7 @@ def _apply_file(
             batch_start = int(np.searchsorted(staged.rows, batch.rows[0]))
             overlaps = [_overlap(keep, batch_start, len(batch.rows)) for keep in keeps]
             if not any(
-                o is not None and _any_kept(k, o.in_keep)
-                for k, o in zip(keeps, overlaps, strict=True)
+                o is not None and k.gives(o.in_keep) for k, o in zip(keeps, overlaps, strict=True)
             ):
                 clock.add("decode", time.perf_counter() - started)
                 continue
@@ -232,7 +226,7 @@ def _whole_run(
     first = int(batch.rows[0]) - shard.row_offset
     if int(batch.rows[-1]) - shard.row_offset - first + 1 != n:
         return None
-    return _numpy(weight)[first : first + n]
+    return as_numpy(weight)[first : first + n]
 
 
 def _write_cells(
@@ -260,12 +254,12 @@ def _write_cells(
         )
         in_file = slice(col_lo - entry.col_offset, col_hi - entry.col_offset)
         if decoded.weights is not None:  # else decoded in place (_whole_run)
-            values = _take(decoded.weights, overlap.in_batch, kept)[:, in_file]
-            _put(rows, values, shard.weight, staged.codec.additive)
+            values = take(decoded.weights, overlap.in_batch, kept)[:, in_file]
+            put_cells(rows, values, shard.weight, staged.codec.additive)
         for name, state in decoded.elem_states.items():
             if name in shard.elem_states:
-                values = _take(state, overlap.in_batch, kept)[:, in_file]
-                _put(rows, values, shard.elem_states[name], staged.state_codec.additive)
+                values = take(state, overlap.in_batch, kept)[:, in_file]
+                put_cells(rows, values, shard.elem_states[name], staged.state_codec.additive)
         written.append(rows)
     return written
 
@@ -277,7 +271,7 @@ def _row_states(
     keep: Keep,
     overlap: _Overlap,
     local: np.ndarray,
-) -> list[_RowStateRows]:
+) -> list[RowStateRows]:
     """A batch's kept row-wise states for one block, applied later per checkpoint."""
     kept = None if keep.states is None else keep.states[overlap.in_keep]
     if not decoded.row_states or (kept is not None and not kept.any()):
@@ -289,7 +283,7 @@ def _row_states(
         for name, values in decoded.row_states.items()
         if name in shard.row_states
     }
-    return [_RowStateRows(shard, local[pick], col_lo, col_hi, values)]
+    return [RowStateRows(shard, local[pick], col_lo, col_hi, values)]
 
 
 def _unmasked(file: StagedFile) -> StagedFile:
@@ -299,117 +293,6 @@ def _unmasked(file: StagedFile) -> StagedFile:
         for k in file.keeps or ()
     ]
     return file
-
-
-def _any_kept(keep: Keep, rows: slice) -> bool:
-    """Whether ``rows`` of ``keep`` give anything (weights of a segment or states)."""
-    if keep.states is None or keep.states[rows].any():
-        return True
-    return any(mask is None or mask[rows].any() for _, _, mask in keep.segments)
-
-
-def _take(
-    values: torch.Tensor | np.ndarray, rows: slice, mask: np.ndarray | None
-) -> torch.Tensor | np.ndarray:
-    span = values[rows]
-    if mask is None or isinstance(span, np.ndarray):
-        return span if mask is None else span[mask]
-    if span.device.type == "cpu":  # numpy: no intra-op threads (module doc)
-        return torch.from_numpy(_numpy(span)[mask]).view(span.dtype)
-    return span[torch.from_numpy(mask).to(span.device)]
-
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as numpy (16-bit floats numpy lacks as int16: copies are bitwise)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.detach().numpy()
-
-
-def _put(
-    written: WrittenRows, values: torch.Tensor | np.ndarray, dest: torch.Tensor, add: bool
-) -> None:
-    """Writes (or adds) ``values`` at the rows and columns ``written`` names in ``dest`` (a
-    block's tensor); numpy ``values`` are a read-only view (``_Decoded``), copied here.
-
-    Copies into CPU blocks go through numpy (one thread, the GIL released); see the module doc.
-    """
-    lo, hi = written.col_lo - written.shard.col_offset, written.col_hi - written.shard.col_offset
-    rows = written.local_rows
-    first, count = int(rows[0]), len(rows)
-    target = dest[:, lo:hi]
-    run = int(rows[-1]) - first + 1 == count  # a contiguous run (full checkpoints)
-    cpu_copy = not add and dest.device.type == "cpu"
-    if isinstance(values, np.ndarray):
-        if cpu_copy and values.dtype == _numpy(target).dtype:
-            _copy_rows(_numpy(target), values, rows, run)
-            return
-        values = torch.from_numpy(np.array(values))
-    values = values.to(dest.dtype)
-    if cpu_copy:
-        _copy_rows(_numpy(target), _numpy(values), rows, run)
-        return
-    if dest.device.type == "cpu" and dest.dtype in (torch.float32, torch.float64):
-        out, src = _numpy(target), _numpy(values)  # add: the same float additions as torch's
-        if run:
-            out[first : first + count] += src
-        else:
-            out[rows.numpy()] += src  # rows are unique: each added once
-        return
-    values = values.to(dest.device)
-    if run:
-        span = target[first : first + count]
-        if add:
-            span.add_(values)
-        else:
-            span.copy_(values)
-    elif add:
-        target.index_add_(0, rows.to(dest.device), values)
-    else:
-        target.index_copy_(0, rows.to(dest.device), values)
-
-
-def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:
-    """``out[rows] = src``: one contiguous copy for a run of rows."""
-    if run:
-        first = int(rows[0])
-        np.copyto(out[first : first + len(rows)], src)
-    else:
-        out[rows.numpy()] = src
-
-
-def _apply_row_states(found: Sequence[_RowStateRows]) -> None:
-    """Row-wise states of one checkpoint: copied where a file's columns span the block's,
-    otherwise the column-overlap-weighted mean of the files that hold the row."""
-    groups: dict[tuple[int, str], list[_RowStateRows]] = {}
-    for held_rows in found:
-        for name in held_rows.values:
-            groups.setdefault((id(held_rows.shard), name), []).append(held_rows)
-    for (_, name), group in groups.items():
-        shard = group[0].shard
-        target = shard.row_states[name]
-        width = (shard.col_offset, shard.col_offset + shard.num_cols)
-        if all((p.col_lo, p.col_hi) == width for p in group):
-            for p in group:
-                if not len(p.local_rows):
-                    continue
-                values = torch.tensor(p.values[name]).to(target.dtype)
-                if target.device.type == "cpu":
-                    _numpy(target)[p.local_rows] = _numpy(values)
-                else:
-                    rows = torch.from_numpy(p.local_rows).to(target.device)
-                    target.index_copy_(0, rows, values.to(target.device))
-            continue
-        # Integer weights and float64 sums: equal source values average back to themselves.
-        total = torch.zeros(shard.num_rows, dtype=torch.float64)
-        weight = torch.zeros(shard.num_rows, dtype=torch.float64)
-        for p in group:
-            overlap = float(p.col_hi - p.col_lo)
-            rows = torch.from_numpy(p.local_rows)
-            total.index_add_(0, rows, torch.tensor(p.values[name]).double() * overlap)
-            weight.index_add_(0, rows, torch.full((len(rows),), overlap, dtype=torch.float64))
-        held = torch.nonzero(weight > 0).squeeze(1)
-        target.index_copy_(0, held.to(target.device), (total[held] / weight[held]).to(target))
 
 
 def read_into(

@@ -146,6 +146,16 @@ class Keep:
     segments: tuple[tuple[int, int, np.ndarray | None], ...]
     states: np.ndarray | None
 
+    def gives(self, rows: slice | None = None) -> bool:
+        """Whether ``rows`` (positions in ``first:last``; all of them if None) give anything:
+        the weights of a column segment, or the row-wise states."""
+        rows = slice(0, self.last - self.first) if rows is None else rows
+        if rows.stop <= rows.start:
+            return False
+        if self.states is None or self.states[rows].any():
+            return True
+        return any(mask is None or mask[rows].any() for _, _, mask in self.segments)
+
 
 class Coverage:
     """The rows that newer checkpoints of a chain already give each block.

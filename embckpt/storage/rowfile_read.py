@@ -206,6 +206,12 @@ class CheckedFile:
                 self.path, f"not a readable embckpt Parquet file: {exc}"
             ) from exc
 
+    @property
+    def small(self) -> bool:
+        """Whether the checked row groups were read once, whole (``rowfile_ranges.SMALL_BYTES``):
+        :meth:`read_all` then copies nothing more."""
+        return self._fetched.small()
+
     def read_all(self) -> RowBatch:
         """Every row of the checked row groups in one batch (columns of several chunks).
 

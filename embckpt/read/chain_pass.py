@@ -1,0 +1,254 @@
+"""Restore, the diffs of a chain in one pass per block.
+
+Why: applied file by file (``apply.py``), each link of a chain cost its fixed work (a decode
+per width of each delta file, masks cut per decoded batch, a write per file and column
+segment) whatever its bytes: about 11 ms per link on a 2-core machine. Here the diff files of
+one block along the whole chain are decoded together (``Codec.decode_many``: one decode per
+width and metadata, not per file), then written at once: one write of every replacing cell,
+then one addition per checkpoint, in chain order.
+
+Exactness: the same float operations in the same order as file by file. After
+``Coverage``'s masks, a cell is replaced by at most one diff (the newest replacing one), and
+an additive diff older than that one is masked out for it: so every replace first, then the
+additions in chain order, gives each cell the value the file-by-file order gives it.
+
+Which blocks: those whose every diff file was read whole (``CheckedFile.small``: a diff's
+usual size) and gives no other block of this rank. The others take ``apply.py``'s path; both
+write disjoint blocks. The files of a block are taken a few at a time, in chain order (about
+``BATCH_BYTES`` of them encoded), which keeps the order above and bounds the decoded rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from embckpt.blocks import TableShard
+from embckpt.codecs.base import Codec, EncodedRows
+from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
+from embckpt.read.plan import Keep
+from embckpt.read.stage import StagedFile
+from embckpt.storage.phases import PhaseClock
+from embckpt.storage.rowfile_read import BATCH_BYTES, RowBatch, row_state_values
+
+
+def chain_blocks(diffs: Sequence[StagedFile]) -> list[list[StagedFile]]:
+    """The diff files of each block the chain pass applies, in chain order (the caller
+    applies every other file file by file)."""
+    by_block: dict[int, list[StagedFile]] = {}
+    excluded: set[int] = set()
+    for file in diffs:
+        targets = file.read.targets
+        if len(targets) != 1 or not file.checked.small:
+            excluded.update(id(t) for t in targets)
+        for target in targets:
+            by_block.setdefault(id(target), []).append(file)
+    return [
+        sorted(files, key=lambda f: f.read.position)
+        for key, files in by_block.items()
+        if key not in excluded
+    ]
+
+
+@dataclass
+class _Loaded:
+    """One diff file's rows for its block: its keep, its batch, its block-local rows."""
+
+    file: StagedFile
+    keep: Keep
+    batch: RowBatch
+    local: np.ndarray
+
+
+@dataclass
+class _Cells:
+    """Decoded cells one file gives one column segment of one field (weight or state)."""
+
+    position: int
+    additive: bool
+    rows: np.ndarray  # block-local, ascending
+    values: torch.Tensor
+
+
+def apply_block_chain(
+    files: Sequence[StagedFile], clock: PhaseClock
+) -> tuple[list[WrittenRows], list[tuple[int, RowStateRows]]]:
+    """Decodes and writes one block's diff files (one target each, chain order); returns the
+    runs written and, with their chain positions, the row-wise states to apply."""
+    written: list[WrittenRows] = []
+    states: list[tuple[int, RowStateRows]] = []
+    try:
+        for chunk in _chunks(files):
+            started = time.perf_counter()
+            loaded = [_load(file) for file in chunk if _keep(file).gives()]
+            weights = _decode_grouped(loaded, lambda f: f.codec, lambda b: b.encoded)
+            elem = _decode_elem_states(loaded)
+            row_states = [row_state_values(x.batch, x.file.state_codec) for x in loaded]
+            clock.add("decode", time.perf_counter() - started)
+            started = time.perf_counter()
+            cells: dict[tuple[int, int, str | None], list[_Cells]] = {}
+            for i, item in enumerate(loaded):
+                fields: dict[str | None, torch.Tensor] = {None: weights[i]}
+                fields.update(elem[i])
+                written.extend(_gather(item, fields, cells))
+                states.extend(_row_states(item, row_states[i]))
+            shard = files[0].read.targets[0]
+            for (lo, hi, field), found in cells.items():
+                dest = shard.weight if field is None else shard.elem_states[field]
+                _write(shard, lo, hi, dest, found)
+            clock.add("apply", time.perf_counter() - started)
+    finally:
+        for file in files:
+            file.checked.close()
+    return written, states
+
+
+def _keep(file: StagedFile) -> Keep:
+    if file.keeps is None:
+        raise ValueError(f"{file.read.entry.path}: applied before stage() decided its rows")
+    return file.keeps[0]
+
+
+def _chunks(files: Sequence[StagedFile]) -> list[list[StagedFile]]:
+    """Consecutive files (chain order) of about ``BATCH_BYTES`` encoded bytes each."""
+    chunks: list[list[StagedFile]] = []
+    size = BATCH_BYTES
+    for file in files:
+        if size + file.read.planned_bytes > BATCH_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(file)
+        size += file.read.planned_bytes
+    return chunks
+
+
+def _load(file: StagedFile) -> _Loaded:
+    keep = _keep(file)
+    batch = file.checked.read_all()
+    shard = file.read.targets[0]
+    local = batch.rows[keep.first : keep.last] - shard.row_offset
+    return _Loaded(file, keep, batch, local)
+
+
+def _decode_grouped(
+    loaded: Sequence[_Loaded],
+    codec_of: Callable[[StagedFile], Codec],
+    encoded_of: Callable[[RowBatch], EncodedRows],
+) -> list[torch.Tensor]:
+    """Each file's decoded rows, the files of one codec (and width) decoded as one."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(loaded):
+        config = codec_of(item.file).get_config()
+        key = json.dumps([config, item.file.read.entry.shard_cols], sort_keys=True)
+        groups.setdefault(key, []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(loaded)
+    for members in groups.values():
+        first = loaded[members[0]].file
+        items = [encoded_of(loaded[i].batch) for i in members]
+        decoded = codec_of(first).decode_many(items, first.read.entry.shard_cols)
+        for i, values in zip(members, decoded, strict=True):
+            out[i] = values
+    return out
+
+
+def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tensor]]:
+    """Each file's decoded element-wise states, by name (each name decoded as one group)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in loaded]
+    for name in sorted({n for x in loaded for n in x.batch.elem_states}):
+        holders = [i for i, x in enumerate(loaded) if name in x.batch.elem_states]
+        decoded = _decode_grouped(
+            [loaded[i] for i in holders],
+            lambda f: f.state_codec,
+            functools.partial(_elem_state, name=name),
+        )
+        for i, values in zip(holders, decoded, strict=True):
+            out[i][name] = values
+    return out
+
+
+def _elem_state(batch: RowBatch, name: str) -> EncodedRows:
+    return batch.elem_states[name]
+
+
+def _gather(
+    item: _Loaded,
+    fields: dict[str | None, torch.Tensor],
+    cells: dict[tuple[int, int, str | None], list[_Cells]],
+) -> list[WrittenRows]:
+    """Adds the cells ``item`` still gives (its keep's masks) to ``cells``, per column
+    segment and field; returns the runs of weights it gives."""
+    file, keep = item.file, item.keep
+    entry, shard = file.read.entry, file.read.targets[0]
+    span = slice(keep.first, keep.last)
+    written = []
+    for lo, hi, mask in keep.segments:
+        if mask is not None and not mask.any():
+            continue
+        rows = item.local if mask is None else item.local[mask]
+        written.append(WrittenRows(shard, torch.from_numpy(rows), lo, hi, file.read.from_diff))
+        in_file = slice(lo - entry.col_offset, hi - entry.col_offset)
+        for name, values in fields.items():
+            if name is not None and name not in shard.elem_states:
+                continue
+            codec = file.codec if name is None else file.state_codec
+            kept = take(values, span, mask)[:, in_file]
+            assert isinstance(kept, torch.Tensor)  # decoded rows are tensors
+            cells.setdefault((lo, hi, name), []).append(
+                _Cells(file.read.position, codec.additive, rows, kept)
+            )
+    return written
+
+
+def _row_states(item: _Loaded, values: dict[str, np.ndarray]) -> list[tuple[int, RowStateRows]]:
+    """``item``'s kept row-wise states for its block, with its chain position."""
+    file, keep = item.file, item.keep
+    shard = file.read.targets[0]
+    if not values or (keep.states is not None and not keep.states.any()):
+        return []
+    pick = slice(None) if keep.states is None else keep.states
+    col_lo, col_hi = file.read.columns(shard)
+    kept = {
+        name: np.asarray(v[keep.first : keep.last])[pick]
+        for name, v in values.items()
+        if name in shard.row_states
+    }
+    return [(file.read.position, RowStateRows(shard, item.local[pick], col_lo, col_hi, kept))]
+
+
+def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[_Cells]) -> None:
+    """Every replacing cell of a column segment at once, then the additions checkpoint by
+    checkpoint in chain order (``found`` is in chain order)."""
+    replacing = [c for c in found if not c.additive]
+    if replacing:
+        _put(shard, lo, hi, dest, replacing, add=False)
+    adding = [c for c in found if c.additive]
+    start = 0
+    while start < len(adding):
+        stop = start + 1
+        while stop < len(adding) and adding[stop].position == adding[start].position:
+            stop += 1
+        _put(shard, lo, hi, dest, adding[start:stop], add=True)
+        start = stop
+
+
+def _put(
+    shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[_Cells], add: bool
+) -> None:
+    """Writes (or adds) cells of disjoint rows as one ascending scatter."""
+    if len(found) == 1:
+        rows, values = found[0].rows, found[0].values
+    else:
+        rows = np.concatenate([c.rows for c in found])
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        # In the block's dtype, as put_cells would convert them (mixed codecs, mixed dtypes).
+        parts = [as_numpy(c.values.to(dest.dtype)) for c in found]
+        values = torch.from_numpy(np.concatenate(parts)[order]).view(dest.dtype)
+    target = WrittenRows(shard, torch.from_numpy(rows), lo, hi, True)
+    put_cells(target, values, dest, add)

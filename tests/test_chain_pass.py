@@ -1,0 +1,167 @@
+"""The chain pass (embckpt/read/chain_pass.py) writes exactly what applying the chain file by
+file writes, and what replaying it in order gives; codecs decode many batches as one exactly
+as they decode each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embckpt.codecs import make_codec
+from embckpt.read import apply as apply_module
+from embckpt.read.apply import read_into
+from embckpt.sharding import TableShard
+from embckpt.storage.chain import read_chain
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
+from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
+from embckpt.storage.rowfile_write import encode_file, index_file
+
+ROWS, COLS, STATE = 400, 16, "momentum"
+INNER = {"id": "adaptive", "bits": 4, "entropy": "none"}
+
+
+def _file(store, step, name, rows, encoded, states, codec) -> FileEntry:
+    data = encode_file(
+        rows=rows.astype(np.int64),
+        encoded=encoded,
+        row_states={STATE: states},
+        elem_states={},
+        metadata={"codec": codec.get_config(), "state_codec": {"id": "raw"}},
+        row_group_rows=64,
+    )
+    w = store.write_file(step, f"tables/t/{name}.parquet", data)
+    entry = FileEntry(w.path, w.bytes, w.checksum, "rows", 0, "t", 0, 0, ROWS, COLS, len(rows))
+    return FileEntry(**{**entry.__dict__, "fqn": "t.weight", "index": index_file(data)})
+
+
+def _write_chain(root: Path, links: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A full then ``links`` diffs, each a delta file (added) and a whole-row file (replaced)
+    of random rows that repeat along the chain, as the writer's split writes them; returns
+    the weights and row-wise states replaying the chain in order gives."""
+    from embckpt import dense
+
+    rng = np.random.default_rng(seed)
+    store = CheckpointStore(root, fsync=False)
+    empty = dense.encode_tree({"model": {}, "optimizer": None, "fused_scalars": {}})
+    delta = make_codec("delta", {"inner": INNER})
+    whole, raw = make_codec("adaptive", {"bits": 4, "entropy": "none"}), make_codec("raw")
+    weights = np.zeros((ROWS, COLS), dtype=np.float32)
+    states = np.zeros(ROWS, dtype=np.float32)
+    hot = rng.choice(ROWS, 40, replace=False)  # in every link: the same cells added again
+    parent = None
+    for position in range(links + 1):
+        step = position + 1
+        files = []
+        if position == 0:
+            rows = np.arange(ROWS)
+            values = torch.randn(ROWS, COLS)
+            s = rng.random(ROWS).astype(np.float32)
+            files.append(_file(store, step, "full", rows, raw.encode(values), s, raw))
+            weights[:] = values.numpy()
+            states[:] = s
+        else:
+            picked = np.union1d(hot, rng.choice(ROWS, 60, replace=False))
+            added, replaced = picked[: len(picked) * 2 // 3], picked[len(picked) * 2 // 3 :]
+            live = torch.from_numpy(weights[added]) + 0.01 * torch.randn(len(added), COLS)
+            encoded = delta.encode_delta(live, torch.from_numpy(weights[added]))
+            s = rng.random(len(added)).astype(np.float32)
+            files.append(_file(store, step, "delta", added, encoded, s, delta))
+            weights[added] += delta.decode(encoded, COLS).numpy()  # in place: the same adds
+            states[added] = s
+            values = torch.randn(len(replaced), COLS)
+            encoded = whole.encode(values)
+            s = rng.random(len(replaced)).astype(np.float32)
+            files.append(_file(store, step, "whole", replaced, encoded, s, whole))
+            weights[replaced] = whole.decode(encoded, COLS).numpy()
+            states[replaced] = s
+        d = store.write_file(step, "dense/model.safetensors", empty)
+        files.append(FileEntry(d.path, d.bytes, d.checksum, "dense", 0))
+        table = TableEntry(
+            "t", ROWS, COLS, "float32", "row_wise", (STATE,), (), ((0, 0, 0, ROWS, COLS),)
+        )
+        manifest = Manifest(
+            step=step,
+            kind="full" if parent is None else "diff",
+            policy="incremental",
+            base_step=1,
+            parent_step=parent,
+            world_size=1,
+            codec=raw.get_config() if parent is None else delta.get_config(),
+            tables=(table,),
+            files=tuple(sorted(files, key=lambda f: f.path)),
+        )
+        store.write_atomic(store.step_path(step, MANIFEST_NAME), manifest.to_json().encode())
+        parent = step
+    return weights, states
+
+
+def _shard() -> TableShard:
+    return TableShard(
+        "t",
+        "t.weight",
+        "row_wise",
+        0,
+        0,
+        ROWS,
+        COLS,
+        torch.full((ROWS, COLS), 7.0),
+        row_states={STATE: torch.full((ROWS,), 3.0)},
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chain_pass_equals_replay_and_file_by_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    weights, states = _write_chain(tmp_path, links=6, seed=seed)
+    store = CheckpointStore(tmp_path)
+    chain = read_chain(store, None)
+    passes = []
+    original = apply_module.apply_block_chain
+
+    def counted(files, clock):
+        passes.append(len(files))
+        return original(files, clock)
+
+    monkeypatch.setattr(apply_module, "apply_block_chain", counted)
+    batched = _shard()
+    read_into(store, chain, [batched], threads=2)
+    assert passes == [12]  # the block's 12 diff files, in one pass
+    monkeypatch.setattr(apply_module, "chain_blocks", lambda diffs: [])
+    by_file = _shard()
+    read_into(store, chain, [by_file], threads=2)
+    assert len(passes) == 1
+    for shard in (batched, by_file):
+        assert np.array_equal(shard.weight.numpy().view(np.int32), weights.view(np.int32))
+        assert np.array_equal(shard.row_states[STATE].numpy(), states)
+
+
+@pytest.mark.parametrize("name", ["delta", "adaptive", "raw", "log8", "kmeans"])
+def test_decode_many_equals_each_decode(name: str) -> None:
+    options = {"inner": INNER} if name == "delta" else {}
+    codec = make_codec(name, options)
+    batches = [torch.randn(n, COLS) for n in (5, 33, 1)]
+    if name == "delta":
+        encoded = [codec.encode_delta(b, b * 0.9) for b in batches]
+    else:
+        encoded = [codec.encode(b) for b in batches]
+    encoded.append(encoded[1])  # equal metadata: decoded together where the codec allows
+    together = codec.decode_many(encoded, COLS)
+    assert len(together) == len(encoded)
+    for one, many in zip(encoded, together, strict=True):
+        assert torch.equal(codec.decode(one, COLS), many)
+
+
+def test_decode_many_refuses_a_delta_row_of_no_width() -> None:
+    from embckpt.codecs.base import EncodedRows
+    from embckpt.errors import CodecError
+
+    codec = make_codec("delta", {"inner": INNER})
+    good = codec.encode_delta(torch.randn(4, COLS), torch.zeros(4, COLS))
+    bad = EncodedRows(good.columns, {**good.metadata, "widths": []})
+    with pytest.raises(CodecError, match="match no width"):
+        codec.decode_many([good, bad], COLS)
