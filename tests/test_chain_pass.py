@@ -165,3 +165,19 @@ def test_decode_many_refuses_a_delta_row_of_no_width() -> None:
     bad = EncodedRows(good.columns, {**good.metadata, "widths": []})
     with pytest.raises(CodecError, match="match no width"):
         codec.decode_many([good, bad], COLS)
+
+
+def test_restore_threads_take_twice_the_rank_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from embckpt.read.stage import THREADS_ENV, default_threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads() == 2  # a rank's one core, and the one the other rank leaves idle
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(96)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_threads() == 8  # at most 8
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert default_threads() == 3  # as the environment says

@@ -14,6 +14,8 @@ module's worker threads oversubscribe the rank's cores (a scatter measured 15x s
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -98,8 +100,11 @@ def apply_staged(
             for wave in waves:
                 # Largest first, so that the last file to finish is a small one.
                 wave.sort(key=lambda f: -f.read.planned_bytes)
+                tasks = _FileTasks(wave, threads)
                 for file, (weights, row_states) in zip(
-                    wave, pool.map(lambda f: _apply_file(f, clock), wave), strict=True
+                    tasks.files,
+                    pool.map(functools.partial(tasks.run, clock=clock), tasks.tasks),
+                    strict=True,
                 ):
                     written.extend(weights)
                     states.setdefault(file.read.position, []).extend(row_states)
@@ -116,11 +121,47 @@ def apply_staged(
     return written
 
 
+class _FileTasks:
+    """A wave's files as tasks for the worker threads: a large file's runs of row groups
+    (``CheckedFile.runs``) one task each, so that one large table (a 10M-row table on one
+    rank) decodes on every thread; a file is closed when its last task ends."""
+
+    def __init__(self, wave: Sequence[StagedFile], threads: int) -> None:
+        self.tasks: list[tuple[int, Sequence[Sequence[int]] | None]] = []
+        self.files: list[StagedFile] = []
+        self._wave = wave
+        self._left: list[int] = []
+        self._lock = threading.Lock()
+        for i, file in enumerate(wave):
+            runs = file.checked.runs() if threads > 1 and not file.checked.small else []
+            parts: list[Sequence[Sequence[int]] | None] = (
+                [[r] for r in runs] if len(runs) > 1 else [None]
+            )
+            self.tasks.extend((i, part) for part in parts)
+            self.files.extend(file for _ in parts)
+            self._left.append(len(parts))
+
+    def run(
+        self, task: tuple[int, Sequence[Sequence[int]] | None], clock: PhaseClock
+    ) -> tuple[list[WrittenRows], list[RowStateRows]]:
+        index, runs = task
+        file = self._wave[index]
+        try:
+            return _apply_file(file, clock, runs)
+        finally:
+            with self._lock:
+                self._left[index] -= 1
+                last = self._left[index] == 0
+            if last:
+                file.checked.close()
+
+
 def _apply_file(
-    staged: StagedFile, clock: PhaseClock
+    staged: StagedFile, clock: PhaseClock, runs: Sequence[Sequence[int]] | None = None
 ) -> tuple[list[WrittenRows], list[RowStateRows]]:
-    """Decodes one staged file batch by batch and writes, into each target block, the cells
-    its :class:`Keep` still gives; returns what it wrote and the row-wise states to apply.
+    """Decodes one staged file batch by batch (its row groups ``runs``: all if None) and
+    writes, into each target block, the cells its :class:`Keep` still gives; returns what it
+    wrote and the row-wise states to apply (the caller closes the file).
 
     Three numberings meet here. A worked example: the file's staged rows have global ids
     ``[10, 11, 12, 20, 21, 30]`` (positions 0 to 5); block A holds global rows 0 to 15, so
@@ -143,32 +184,29 @@ def _apply_file(
     hi = max(t.row_offset + t.num_rows for t in read.targets)
     written: list[WrittenRows] = []
     row_state_rows: list[RowStateRows] = []
-    batches = staged.checked.read(lo, hi)
-    try:
-        while True:
-            started = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                clock.add("decode", time.perf_counter() - started)
-                break
-            batch_start = int(np.searchsorted(staged.rows, batch.rows[0]))
-            overlaps = [_overlap(keep, batch_start, len(batch.rows)) for keep in keeps]
-            if not any(
-                o is not None and k.gives(o.in_keep) for k, o in zip(keeps, overlaps, strict=True)
-            ):
-                clock.add("decode", time.perf_counter() - started)
-                continue
-            decoded = _Decoded.of(staged, batch, _whole_run(staged, batch, keeps, overlaps))
+    batches = staged.checked.read(lo, hi, runs)
+    while True:
+        started = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
             clock.add("decode", time.perf_counter() - started)
-            started = time.perf_counter()
-            for shard, keep, overlap in zip(read.targets, keeps, overlaps, strict=True):
-                if overlap is not None:
-                    local = batch.rows[overlap.in_batch] - shard.row_offset
-                    written.extend(_write_cells(staged, decoded, shard, keep, overlap, local))
-                    row_state_rows.extend(_row_states(staged, decoded, shard, keep, overlap, local))
-            clock.add("apply", time.perf_counter() - started)
-    finally:
-        staged.checked.close()
+            break
+        batch_start = int(np.searchsorted(staged.rows, batch.rows[0]))
+        overlaps = [_overlap(keep, batch_start, len(batch.rows)) for keep in keeps]
+        if not any(
+            o is not None and k.gives(o.in_keep) for k, o in zip(keeps, overlaps, strict=True)
+        ):
+            clock.add("decode", time.perf_counter() - started)
+            continue
+        decoded = _Decoded.of(staged, batch, _whole_run(staged, batch, keeps, overlaps))
+        clock.add("decode", time.perf_counter() - started)
+        started = time.perf_counter()
+        for shard, keep, overlap in zip(read.targets, keeps, overlaps, strict=True):
+            if overlap is not None:
+                local = batch.rows[overlap.in_batch] - shard.row_offset
+                written.extend(_write_cells(staged, decoded, shard, keep, overlap, local))
+                row_state_rows.extend(_row_states(staged, decoded, shard, keep, overlap, local))
+        clock.add("apply", time.perf_counter() - started)
     return written, row_state_rows
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from embckpt.codecs import Codec, codec_from_config
-from embckpt.cores import rank_cores
+from embckpt.cores import restore_threads
 from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
 from embckpt.read.pool import worker_pool
@@ -44,12 +44,12 @@ THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
 
 
 def default_threads() -> int:
-    """Reader threads per rank: the ``EMBCKPT_RESTORE_THREADS`` environment variable, else this
-    rank's share of the machine's cores (``LOCAL_WORLD_SIZE`` ranks per machine), between 1
-    and 8."""
+    """Reader threads per rank: the ``EMBCKPT_RESTORE_THREADS`` environment variable, else
+    :func:`~embckpt.cores.restore_threads` (twice this rank's share of the machine's cores,
+    ``LOCAL_WORLD_SIZE`` ranks per machine, at most 8)."""
     if os.environ.get(THREADS_ENV):
         return max(1, int(os.environ[THREADS_ENV]))
-    return min(8, rank_cores())
+    return restore_threads()
 
 
 @dataclass

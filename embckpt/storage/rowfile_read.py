@@ -175,27 +175,36 @@ class CheckedFile:
         """
         return self._read(self.groups, [ROW_COLUMN])[ROW_COLUMN].to_numpy()
 
-    def read(self, row_lo: int, row_hi: int) -> Iterator[RowBatch]:
-        """The rows with global id in [row_lo, row_hi), ascending, in batches of a few row
-        groups (about ``BATCH_BYTES``) whose columns are single Arrow arrays: decoding works
-        through buffers of a bounded size, which the allocators reuse, and copies no more
-        than the codec does.
-
-        Raises:
-            CheckpointCorruptError: the checked bytes do not parse.
-        """
-        runs: list[list[int]] = [self.groups] if self._fetched.small() else []
+    def runs(self) -> list[list[int]]:
+        """The checked row groups in runs of about ``BATCH_BYTES`` (all of them for a small
+        file): what :meth:`read` decodes at a time, and what threads may read in parallel."""
+        if self._fetched.small():
+            return [self.groups]
+        runs: list[list[int]] = []
         size = BATCH_BYTES
         footer = self._fetched.footer
-        for g in self.groups if not runs else ():
+        for g in self.groups:
             group_bytes = footer.row_group(g).total_byte_size
             if size + group_bytes > BATCH_BYTES:
                 runs.append([])
                 size = 0
             runs[-1].append(g)
             size += group_bytes
+        return runs
+
+    def read(
+        self, row_lo: int, row_hi: int, runs: Sequence[Sequence[int]] | None = None
+    ) -> Iterator[RowBatch]:
+        """The rows with global id in [row_lo, row_hi), ascending, in batches of a few row
+        groups (``runs``: all of :meth:`runs` if None) whose columns are single Arrow
+        arrays: decoding works through buffers of a bounded size, which the allocators reuse,
+        and copies no more than the codec does.
+
+        Raises:
+            CheckpointCorruptError: the checked bytes do not parse.
+        """
         try:
-            for run in runs:
+            for run in self.runs() if runs is None else runs:
                 for batch in self._read(run).to_batches():
                     ids = batch[ROW_COLUMN].to_numpy()
                     lo, hi = np.searchsorted(ids, [row_lo, row_hi])
