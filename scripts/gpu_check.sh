@@ -36,6 +36,7 @@ cp benchmarks/results/gpu.json "$OUT/" 2>/dev/null
 timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
   tests/test_kernel_locations.py tests/test_fused_counters.py tests/test_state_codec.py \
   tests/test_cow_snapshot.py tests/test_device_encode.py tests/test_writer_process.py \
+  tests/test_device_decode.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"
 tail -15 "$OUT/gpu_tests.log"

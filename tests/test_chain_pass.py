@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from embckpt.codecs import make_codec
+from embckpt.codecs import Codec, make_codec
 from embckpt.read import apply as apply_module
 from embckpt.read.apply import read_into
 from embckpt.sharding import TableShard
@@ -38,10 +38,13 @@ def _file(store, step, name, rows, encoded, states, codec) -> FileEntry:
     return FileEntry(**{**entry.__dict__, "fqn": "t.weight", "index": index_file(data)})
 
 
-def _write_chain(root: Path, links: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A full then ``links`` diffs, each a delta file (added) and a whole-row file (replaced)
-    of random rows that repeat along the chain, as the writer's split writes them; returns
-    the weights and row-wise states replaying the chain in order gives."""
+def _write_chain(
+    root: Path, links: int, seed: int, full_codec: Codec | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A full (``full_codec``, raw by default) then ``links`` diffs, each a delta file (added)
+    and a whole-row file (replaced) of random rows that repeat along the chain, as the
+    writer's split writes them; returns the weights and row-wise states replaying the chain
+    in order gives."""
     from embckpt import dense
 
     rng = np.random.default_rng(seed)
@@ -60,8 +63,10 @@ def _write_chain(root: Path, links: int, seed: int) -> tuple[np.ndarray, np.ndar
             rows = np.arange(ROWS)
             values = torch.randn(ROWS, COLS)
             s = rng.random(ROWS).astype(np.float32)
-            files.append(_file(store, step, "full", rows, raw.encode(values), s, raw))
-            weights[:] = values.numpy()
+            base = full_codec or raw
+            encoded = base.encode(values)
+            files.append(_file(store, step, "full", rows, encoded, s, base))
+            weights[:] = base.decode(encoded, COLS).numpy()
             states[:] = s
         else:
             picked = np.union1d(hot, rng.choice(ROWS, 60, replace=False))

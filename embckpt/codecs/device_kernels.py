@@ -1,5 +1,6 @@
-"""Triton kernels of the GPU encoder (device_encode.py): the uniform codecs' fused rows,
-computed where the rows live so that only the packed bytes cross to the host.
+"""Triton kernels of the GPU encoder (device_encode.py) and decoder (device_decode.py): the
+uniform codecs' fused rows, computed where the rows live so that only the packed bytes cross
+between host and device.
 
 Why these bytes are the CPU's: every value that decides a byte goes through the same float32
 operations, in the same order, as the numba kernels (uniform_kernels.py, adaptive_kernels.py)
@@ -287,6 +288,64 @@ def encode_rows(
         ok &= _fits(lo, hi, top)
     _quantize(base, row, live, lo, hi, top, COLS, BITS, PER, NBYTES, MODE != SYMMETRIC, UNROLL)
     tl.store(ok_ptr + rows, ok.to(tl.int8), mask=live)
+
+
+@triton.jit
+def _param(row, at, live, HALF: tl.constexpr):
+    """A row's fp16 (``HALF``) or fp32 parameter at byte ``at``, little-endian, as float64."""
+    if HALF:
+        low = tl.load(row + at, mask=live, other=0).to(tl.int32)
+        high = tl.load(row + at + 1, mask=live, other=0).to(tl.int32)
+        bits16 = (low | (high << 8)).to(tl.int16)
+        return bits16.to(tl.float16, bitcast=True).to(tl.float32).to(tl.float64)
+    word = tl.zeros(live.shape, tl.int32)
+    for k in tl.static_range(4):
+        word |= tl.load(row + at + k, mask=live, other=0).to(tl.int32) << (8 * k)
+    return word.to(tl.float32, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def decode_rows(
+    fused_ptr,
+    out_ptr,
+    n,
+    fused_stride,
+    out_stride,
+    COLS: tl.constexpr,
+    COLS_P2: tl.constexpr,
+    BITS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    HALF: tl.constexpr,
+    BIAS_STORED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """float32 rows [n, COLS] (unit column stride) from fused rows [n, WIDTH + params]: each
+    value ``scale * q + bias`` as uniform_kernels.dequantize computes it, in float32 for fp16
+    parameters (``HALF``), in float64 rounded once for fp32 ones; without ``BIAS_STORED``
+    (symmetric) the bias is ``-2**(BITS-1) * scale``, exact in float64."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < n
+    row = fused_ptr + rows.to(tl.int64) * fused_stride
+    s64 = _param(row, WIDTH, live, HALF)
+    if BIAS_STORED:
+        b64 = _param(row, WIDTH + (2 if HALF else 4), live, HALF)
+    else:
+        b64 = -((1 << (BITS - 1)) * 1.0) * s64
+    cols = tl.arange(0, COLS_P2)
+    cell = live[:, None] & (cols < COLS)[None, :]
+    at = cols * BITS
+    first = (at >> 3)[None, :]
+    shift = (at & 7)[None, :]
+    word = tl.load(row[:, None] + first, mask=cell, other=0).to(tl.int32)
+    spill = cell & (shift + BITS > 8) & (first + 1 < WIDTH)
+    word |= tl.load(row[:, None] + first + 1, mask=spill, other=0).to(tl.int32) << 8
+    q = (word >> shift) & ((1 << BITS) - 1)
+    if HALF:
+        value = q.to(tl.float32) * s64.to(tl.float32)[:, None] + b64.to(tl.float32)[:, None]
+    else:
+        value = (q.to(tl.float64) * s64[:, None] + b64[:, None]).to(tl.float32)
+    target = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(target, value, mask=cell)
 
 
 #: Whether Triton's interpreter runs these kernels (``TRITON_INTERPRET`` was on at import).

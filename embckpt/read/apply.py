@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from embckpt.blocks import TableShard
+from embckpt.codecs.base import Codec
+from embckpt.codecs.device_decode import decode_on_device, serves
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
 from embckpt.read.cells import (
@@ -214,21 +216,29 @@ def _apply_file(
 class _Decoded:
     """One batch's weights, element-wise and row-wise states, decoded, each written once into
     the block: raw weights stay a read-only view of the batch's bytes
-    (``RawCodec.decode_view``) that ``_put`` copies; quantized ones that fill a run of the
-    block whole are decoded straight into it (``weights`` None: already written)."""
+    (``RawCodec.decode_view``) that ``put_cells`` copies; quantized ones that fill a run of the
+    block whole are decoded straight into it (``weights`` None: already written); for a block
+    on a GPU quantized rows decode there (``device_decodes``)."""
 
     weights: torch.Tensor | np.ndarray | None
     elem_states: dict[str, torch.Tensor]
     row_states: dict[str, np.ndarray]
 
     @classmethod
-    def of(cls, staged: StagedFile, batch: RowBatch, into: np.ndarray | None) -> _Decoded:
+    def of(
+        cls, staged: StagedFile, batch: RowBatch, into: np.ndarray | torch.Tensor | None
+    ) -> _Decoded:
         cols = staged.read.entry.shard_cols
         codec = staged.codec
+        device = staged.read.targets[0].weight.device
         weights: torch.Tensor | np.ndarray | None = None
         written = False
-        if isinstance(codec, UniformCodec) and into is not None:
+        if isinstance(into, torch.Tensor):  # a run of a block where the rows decode
+            written = decode_on_device(codec, batch.encoded, cols, device, into) is not None
+        elif isinstance(codec, UniformCodec) and into is not None:
             written = codec.decode_into(batch.encoded, cols, into)
+        elif device_decodes(codec, device):  # the codes cross to the device, not floats
+            weights = decode_on_device(codec, batch.encoded, cols, device)
         elif isinstance(codec, RawCodec):
             weights = codec.decode_view(batch.encoded, cols)
         if weights is None and not written:
@@ -240,11 +250,18 @@ class _Decoded:
         )
 
 
+def device_decodes(codec: Codec, device: torch.device) -> bool:
+    """Whether rows of ``codec`` for a block on ``device`` decode there: quantized rows for a
+    GPU, whose codes then cross instead of their floats (``codecs/device_decode.py``)."""
+    return device.type == "cuda" and serves(codec, device)
+
+
 def _whole_run(
     staged: StagedFile, batch: RowBatch, keeps: Sequence[Keep], overlaps: Sequence[_Overlap | None]
-) -> np.ndarray | None:
+) -> np.ndarray | torch.Tensor | None:
     """The rows of the one block a batch's weights fill whole, as one contiguous run, all
-    columns, replacing what is there (a full's rows): where they can be decoded in place."""
+    columns, replacing what is there (a full's rows): where they can be decoded in place (a
+    tensor where they decode on the block's device, else an array)."""
     entry, n = staged.read.entry, len(batch.rows)
     overlap = overlaps[0] if len(keeps) == 1 else None
     if overlap is None or overlap.in_batch != slice(0, n) or staged.codec.additive:
@@ -256,15 +273,17 @@ def _whole_run(
         or segment[2] is not None  # a mask: some rows are newer elsewhere
         or segment[:2] != (shard.col_offset, shard.col_offset + shard.num_cols)
         or (entry.col_offset, entry.shard_cols) != (shard.col_offset, shard.num_cols)
-        or weight.device.type != "cpu"
         or weight.dtype != torch.float32
         or not weight.is_contiguous()
     ):
         return None
+    on_device = device_decodes(staged.codec, weight.device)
+    if weight.device.type != "cpu" and not on_device:
+        return None
     first = int(batch.rows[0]) - shard.row_offset
     if int(batch.rows[-1]) - shard.row_offset - first + 1 != n:
         return None
-    return as_numpy(weight)[first : first + n]
+    return weight[first : first + n] if on_device else as_numpy(weight)[first : first + n]
 
 
 def _write_cells(

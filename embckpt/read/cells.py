@@ -60,7 +60,8 @@ def put_cells(
     written: WrittenRows, values: torch.Tensor | np.ndarray, dest: torch.Tensor, add: bool
 ) -> None:
     """Writes (or adds) ``values`` at the rows and columns ``written`` names in ``dest`` (a
-    block's tensor); numpy ``values`` are a read-only view (``RawCodec.decode_view``), copied here.
+    block's tensor); numpy ``values`` are a read-only view (``RawCodec.decode_view``), copied
+    here (for a GPU block into page-locked memory: raw rows cross by DMA).
 
     Copies into CPU blocks go through numpy (one thread, the GIL released); see the module doc.
     """
@@ -74,7 +75,7 @@ def put_cells(
         if cpu_copy and values.dtype == as_numpy(target).dtype:
             _copy_rows(as_numpy(target), values, rows, run)
             return
-        values = torch.from_numpy(np.array(values))
+        values = _host_copy(values, dest.device)
     values = values.to(dest.dtype)
     if cpu_copy:
         _copy_rows(as_numpy(target), as_numpy(values), rows, run)
@@ -86,7 +87,7 @@ def put_cells(
         else:
             out[rows.numpy()] += src  # rows are unique: each added once
         return
-    values = values.to(dest.device)
+    values = values.to(dest.device, non_blocking=True)  # from page-locked memory: same stream
     if run:
         span = target[first : first + count]
         if add:
@@ -97,6 +98,17 @@ def put_cells(
         target.index_add_(0, rows.to(dest.device), values)
     else:
         target.index_copy_(0, rows.to(dest.device), values)
+
+
+def _host_copy(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor copy of read-only ``values``: page-locked for a GPU block, so that the copy
+    to the device is one DMA, not staged through pageable memory."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.array(values))
+    dtype = torch.from_numpy(values[:0].copy()).dtype
+    host = torch.empty(values.shape, dtype=dtype, pin_memory=True)
+    host.numpy()[...] = values
+    return host
 
 
 def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:

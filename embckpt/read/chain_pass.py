@@ -12,10 +12,11 @@ Exactness: the same float operations in the same order as file by file. After
 an additive diff older than that one is masked out for it: so every replace first, then the
 additions in chain order, gives each cell the value the file-by-file order gives it.
 
-Which blocks: those whose every diff file was read whole (``CheckedFile.small``: a diff's
-usual size) and gives no other block of this rank. The others take ``apply.py``'s path; both
-write disjoint blocks. The files of a block are taken a few at a time, in chain order (about
-``BATCH_BYTES`` of them encoded), which keeps the order above and bounds the decoded rows.
+Which blocks: those whose every diff file is at most ``BATCH_BYTES`` (a diff's usual size:
+decoded whole) and gives no other block of this rank. The others take ``apply.py``'s path
+(batch by batch, a large file's batches on several threads); both write disjoint blocks.
+The files of a block are taken a few at a time, in chain order (about ``BATCH_BYTES`` of them
+encoded), which keeps the order above and bounds the decoded rows.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def chain_blocks(diffs: Sequence[StagedFile]) -> list[list[StagedFile]]:
     excluded: set[int] = set()
     for file in diffs:
         targets = file.read.targets
-        if len(targets) != 1 or not file.checked.small:
+        if len(targets) != 1 or file.read.planned_bytes > BATCH_BYTES:
             excluded.update(id(t) for t in targets)
         for target in targets:
             by_block.setdefault(id(target), []).append(file)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from embckpt.blocks import TableShard
-from embckpt.codecs import Codec
+from embckpt.codecs import Codec, device_decode
 from embckpt.config import CheckpointConfig
 from embckpt.save.protect import device_encoder
 from embckpt.save.slabs import SlabPool
@@ -64,7 +64,8 @@ def warm_kernels(
     writer: RowFileWriter | None, codec: Codec, shards: list[TableShard], cow: bool
 ) -> None:
     """Readies the kernels a save runs in this process: the codec's CPU kernels when
-    ``writer`` (the thread writer) encodes here, the device encoder's on a GPU model."""
+    ``writer`` (the thread writer) encodes here, the device encoder's on a GPU model, and
+    there the device decoder a restore of the codec's rows runs."""
     started = time.perf_counter()
     if writer is not None:
         writer.warm(codec, shards)
@@ -78,4 +79,6 @@ def warm_kernels(
             for cols in sorted({s.num_cols for s in shards if s.weight.dtype == torch.float32}):
                 encoder(torch.randn(8, cols, device=device, generator=generator) * 0.05)
         torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        device_decode.warm(codec, [s.num_cols for s in shards], device)
     log.debug("save kernels ready in %.2f s", time.perf_counter() - started)

@@ -1,0 +1,111 @@
+"""Decoding quantized rows on the GPU that holds their table.
+
+Why: a restore into CUDA tables that decodes on the CPU copies fp32 rows to the device (4 bytes
+per value); decoded where the table lives, only the fused rows cross (a 4-bit row of 64
+values: 36 bytes instead of 256). The values are exactly the CPU's (``device_kernels.py``'s
+``decode_rows`` computes each as ``uniform_kernels.dequantize`` does, without fused
+multiply-adds), so where a row was decoded never shows in the table.
+
+Contract: :func:`decode_on_device` returns the float32 rows on ``device``, or None where this
+path does not apply: codecs other than ``asymmetric``, ``symmetric`` and ``adaptive`` (a
+subclass may decode otherwise), Triton not importable, or a device the kernels do not run on.
+The caller then decodes on the CPU. The fused bytes come from the codec's own reading of the
+column (``_payload_bytes``: Parquet's decompression, or Huffman coding, on the host), are
+copied into page-locked memory and cross asynchronously; the call returns once the kernel is
+queued on the current stream, which the caller's writes into the table follow.
+
+Test hook: with ``TRITON_INTERPRET=1`` in the environment when the kernels are first used,
+Triton's interpreter runs them on CPU tensors (see ``device_encode.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from embckpt.codecs.adaptive import AdaptiveCodec
+from embckpt.codecs.base import Codec, EncodedRows, codec_from_config
+from embckpt.codecs.device_encode import _kernels, is_available
+from embckpt.codecs.packing import packed_width
+from embckpt.codecs.uniform import AsymmetricCodec, SymmetricCodec
+from embckpt.errors import CodecError
+
+_SERVED = (AsymmetricCodec, SymmetricCodec, AdaptiveCodec)
+_BLOCK = 64  # rows per program
+_INTERPRETED_BLOCK = 1024  # the interpreter's cost is per operation on a whole block
+
+
+def serves(codec: Codec, device: torch.device) -> bool:
+    """Whether :func:`decode_on_device` decodes ``codec``'s rows on ``device``."""
+    return type(codec) in _SERVED and is_available(device)
+
+
+def decode_on_device(
+    codec: Codec,
+    encoded: EncodedRows,
+    num_cols: int,
+    device: torch.device,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``codec.decode(encoded, num_cols)`` computed on ``device`` (float32 [n, num_cols]), into
+    ``out`` if given (float32 rows of ``device`` with unit column stride: a run of a table's
+    rows); None where the device path does not apply (module doc).
+
+    Raises:
+        CodecError: the payload does not match the codec's metadata.
+    """
+    kernels = _kernels()
+    if kernels is None or not serves(codec, device):
+        return None
+    assert isinstance(codec, AsymmetricCodec | SymmetricCodec)  # _SERVED
+    dtype = encoded.metadata.get("param_dtype", "float16")
+    if dtype not in ("float16", "float32"):
+        raise CodecError(f"unknown param_dtype {dtype!r}")
+    half = dtype == "float16"
+    width = packed_width(num_cols, codec.bits)
+    fused = codec._payload_bytes(encoded, width + codec._param_bytes(half))
+    n = fused.shape[0]
+    if out is None:
+        out = torch.empty((n, num_cols), dtype=torch.float32, device=device)
+    elif out.shape != (n, num_cols) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise CodecError(f"{n} rows of {num_cols} cannot decode into {tuple(out.shape)}")
+    if n == 0:
+        return out
+    host = torch.from_numpy(np.ascontiguousarray(fused))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    codes = host.to(device, non_blocking=True)
+    block = _INTERPRETED_BLOCK if kernels.INTERPRETED else _BLOCK
+    kernels.decode_rows[(-(-n // block),)](
+        codes,
+        out,
+        n,
+        codes.stride(0),
+        out.stride(0),
+        COLS=num_cols,
+        COLS_P2=max(1, 1 << (num_cols - 1).bit_length()),
+        BITS=codec.bits,
+        WIDTH=width,
+        HALF=half,
+        BIAS_STORED=codec.bias_stored,
+        BLOCK=block,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def warm(codec: Codec, widths: Sequence[int], device: torch.device) -> None:
+    """Compiles the decode kernels rows of ``codec`` with ``widths`` columns take on
+    ``device`` (both parameter dtypes), so that a restore does not compile them mid-way."""
+    if not serves(codec, device):
+        return
+    generator = torch.Generator().manual_seed(0)  # the job's own RNG is left alone
+    for dtype in ("float16", "float32"):
+        variant = codec_from_config({**codec.get_config(), "param_dtype": dtype})
+        for cols in sorted(set(widths)):
+            rows = torch.randn(8, cols, generator=generator)
+            decode_on_device(variant, variant.encode(rows), cols, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

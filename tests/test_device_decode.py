@@ -1,0 +1,130 @@
+"""The GPU decoder (codecs/device_decode.py) gives exactly the CPU decode, and a restore into
+blocks where rows decode on their device equals one that decodes them on the CPU.
+
+Without a CUDA device, Triton's interpreter runs the kernel on CPU tensors (conftest.py turns
+it on); with CUDA, the ``gpu`` test runs the compiled kernel. Every test needs Triton, which
+the project does not require, and skips without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # conftest.py turned it on already, before triton loaded
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from embckpt.codecs import Codec, make_codec  # noqa: E402
+from embckpt.codecs.device_decode import decode_on_device, serves  # noqa: E402
+from embckpt.codecs.device_encode import is_available  # noqa: E402
+
+CODECS = ("asymmetric", "symmetric", "adaptive")
+BITS = (2, 3, 4, 8)
+INTERPRETED = is_available(torch.device("cpu"))
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="needs triton and its interpreter (TRITON_INTERPRET=1)"
+)
+
+
+def _rows(n: int, cols: int, seed: int, wide: bool = False) -> torch.Tensor:
+    """Rows of many scales (``wide``: beyond what fp16 parameters hold), a zero row and a
+    constant one: every parameter path."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-6, 6, n) if wide else torch.logspace(-1, 2, n)
+    rows = torch.randn(n, cols, generator=g) * scales[:, None]
+    rows[0] = 0.0
+    rows[1] = 0.25
+    return rows
+
+
+def _assert_as_on_cpu(codec: Codec, rows: torch.Tensor, device: torch.device) -> None:
+    cols = rows.shape[1]
+    encoded = codec.encode(rows)
+    expected = codec.decode(encoded, cols)
+    got = decode_on_device(codec, encoded, cols, device)
+    assert got is not None and got.device.type == device.type
+    assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32)), (
+        codec.get_config(),
+        cols,
+    )
+
+
+@interpreted
+@pytest.mark.parametrize("name", CODECS)
+def test_interpreted_kernel_decodes_as_the_cpu(name: str) -> None:
+    cpu = torch.device("cpu")
+    for bits in BITS:
+        for param_dtype in ("float16", "float32"):
+            for entropy in ("none", "huffman"):
+                options = {"bits": bits, "param_dtype": param_dtype, "entropy": entropy}
+                codec = make_codec(name, options)
+                for cols in (1, 3, 16, 37):
+                    rows = _rows(50, cols, seed=cols + bits, wide=param_dtype == "float32")
+                    _assert_as_on_cpu(codec, rows, cpu)
+
+
+@interpreted
+def test_decodes_into_a_run_of_a_block_and_declines_other_codecs() -> None:
+    cpu = torch.device("cpu")
+    codec = make_codec("adaptive", {"bits": 4})
+    rows = _rows(20, 8, seed=1)
+    block = torch.full((30, 8), 5.0)
+    assert decode_on_device(codec, codec.encode(rows), 8, cpu, block[4:24]) is not None
+    assert torch.equal(block[4:24], codec.decode(codec.encode(rows), 8))
+    assert (block[:4] == 5).all() and (block[24:] == 5).all()
+    for other in ("raw", "log8", "kmeans"):
+        plain = make_codec(other)
+        assert not serves(plain, cpu)
+        assert decode_on_device(plain, plain.encode(rows), 8, cpu) is None
+
+
+@interpreted
+def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's 4-bit full (several row groups, whole runs of its block and masked rows) and
+    its diffs restored with the device path taken for CPU blocks (the interpreter) equals the
+    plain CPU restore, cell for cell."""
+    from test_chain_pass import ROWS, _shard, _write_chain
+
+    from embckpt.read import apply as apply_module
+    from embckpt.read.apply import read_into
+    from embckpt.storage.chain import read_chain
+    from embckpt.storage.fs import CheckpointStore
+
+    _write_chain(tmp_path, links=3, seed=4, full_codec=make_codec("adaptive", {"bits": 4}))
+    store = CheckpointStore(tmp_path)
+    chain = read_chain(store, None)
+    plain = _shard()
+    read_into(store, chain, [plain], threads=2)
+    taken = []
+
+    def decodes(codec: Codec, device: torch.device) -> bool:
+        taken.append(type(codec).__name__)
+        return serves(codec, device)
+
+    monkeypatch.setattr(apply_module, "device_decodes", decodes)
+    on_device = _shard()
+    read_into(store, chain, [on_device], threads=2)
+    assert "AdaptiveCodec" in taken
+    assert torch.equal(on_device.weight.view(torch.int32), plain.weight.view(torch.int32))
+    assert on_device.weight.shape[0] == ROWS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not is_available(torch.device("cuda")) or INTERPRETED,
+    reason="needs a CUDA device and triton, with its interpreter off",
+)
+def test_cuda_kernel_decodes_as_the_cpu() -> None:
+    cuda = torch.device("cuda")
+    for name in CODECS:
+        for bits in BITS:
+            for param_dtype in ("float16", "float32"):
+                codec = make_codec(name, {"bits": bits, "param_dtype": param_dtype})
+                for cols in (1, 16, 37, 64, 128):
+                    rows = _rows(4096, cols, seed=cols, wide=param_dtype == "float32")
+                    _assert_as_on_cpu(codec, rows, cuda)
