@@ -8,7 +8,8 @@ diffs are many such small files, whose fixed costs a fetch per block multiplied.
 that the file's codecs are known and decodes its row ids, so what a decode could still reject
 (an unknown codec, a file that does not parse) is found here, before any rank writes a row.
 Between checkpoints, :class:`~embckpt.read.plan.Coverage` prunes the older checkpoints' row
-groups and marks the rows each staged file still gives.
+groups and marks the rows each staged file still gives; the positions of small diffs are
+fetched all at once, unpruned, from the start (their fixed costs overlap on the threads).
 
 What the restore's clock counts here: ``fetch`` is getting the bytes (for memory-mapped local
 files only the mapping: their page-cache reads happen while verifying), ``verify`` the checksums
@@ -38,7 +39,7 @@ from embckpt.read.pool import worker_pool
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, RowGroupEntry
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
-from embckpt.storage.rowfile_read import CheckedFile
+from embckpt.storage.rowfile_read import BATCH_BYTES, CheckedFile
 
 THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
 
@@ -232,7 +233,8 @@ def stage(
     clock: PhaseClock | None = None,
 ) -> tuple[list[list[StagedFile]], ReadCost]:
     """Stages every read on ``threads`` worker threads, checkpoint by checkpoint newest first,
-    each file's row groups pruned and its rows masked by what newer checkpoints give.
+    each file's row groups pruned and its rows masked by what newer checkpoints give (the
+    small diffs fetched at once, unpruned: :func:`_prefetch`).
 
     Returns:
         The staged files of each chain checkpoint (base first), and what was read.
@@ -242,13 +244,19 @@ def stage(
     bar = _progress_bar(sum(r.planned_bytes for r in reads), progress)
     coverage = Coverage(reads)
     by_position: list[list[StagedFile]] = [[] for _ in range(chain_length)]
+    submitted: list[tuple[int, concurrent.futures.Future]] = []
     try:
         with worker_pool(threads, "embckpt-stage") as pool:
+            early = _prefetch(pool, store, chain_length, reads, clock)
+            submitted.extend((p, f) for p, futures in early.items() for f in futures)
             for position in reversed(range(chain_length)):
-                with clock.time("plan"):
-                    pruned = [coverage.prune(r) for r in reads if r.position == position]
-                todo = [r for r in pruned if r is not None]
-                futures = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)]
+                futures = early.get(position)
+                if futures is None:
+                    with clock.time("plan"):
+                        pruned = [coverage.prune(r) for r in reads if r.position == position]
+                    todo = [r for r in pruned if r is not None]
+                    futures = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)]
+                    submitted.extend((position, f) for f in futures)
                 try:
                     for future in concurrent.futures.as_completed(futures):
                         staged, file_cost = future.result()
@@ -257,13 +265,7 @@ def stage(
                         if bar is not None:
                             bar.update(sum(s.read.planned_bytes for s in staged))
                 except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    for future in futures:  # the ones already running: closed below
-                        if not future.cancelled() and future.exception() is None:
-                            for staged_file in future.result()[0]:
-                                if staged_file not in by_position[position]:
-                                    by_position[position].append(staged_file)
+                    _collect(submitted, by_position)
                     raise
                 with clock.time("plan"):
                     files = sorted(by_position[position], key=lambda f: f.read.entry.path)
@@ -280,6 +282,41 @@ def stage(
         if bar is not None:
             bar.close()
     return by_position, cost
+
+
+def _prefetch(
+    pool: concurrent.futures.Executor,
+    store: CheckpointStore,
+    chain_length: int,
+    reads: Sequence[FileRead],
+    clock: PhaseClock,
+) -> dict[int, list[concurrent.futures.Future]]:
+    """Submits at once, unpruned, the files of every diff position whose reads are small (at
+    most ``BATCH_BYTES`` in all: a chain's diffs, usually): pruning saves little of them, and
+    staged together their fixed costs (fetch, checks, parsing) overlap on the threads instead
+    of waiting position by position. Files are immutable, so staging early reads the same."""
+    early: dict[int, list[concurrent.futures.Future]] = {}
+    for position in reversed(range(1, chain_length)):
+        at = [r for r in reads if r.position == position]
+        if at and sum(r.planned_bytes for r in at) <= BATCH_BYTES:
+            early[position] = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(at)]
+    return early
+
+
+def _collect(
+    submitted: Sequence[tuple[int, concurrent.futures.Future]],
+    by_position: list[list[StagedFile]],
+) -> None:
+    """After a failure: cancels what has not started and adds what was staged to
+    ``by_position`` (whose files the caller releases)."""
+    for _, future in submitted:
+        future.cancel()
+    for position, future in submitted:  # the ones already running: closed by the caller
+        if future.cancelled() or future.exception() is not None:
+            continue
+        for staged_file in future.result()[0]:
+            if staged_file not in by_position[position]:
+                by_position[position].append(staged_file)
 
 
 def release(staged: Sequence[StagedFile]) -> None:
