@@ -186,3 +186,40 @@ def test_restore_threads_take_twice_the_rank_share(monkeypatch: pytest.MonkeyPat
     assert default_threads() == 8  # at most 8
     monkeypatch.setenv(THREADS_ENV, "3")
     assert default_threads() == 3  # as the environment says
+
+
+def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:
+    from types import SimpleNamespace
+
+    from embckpt.read.plan import Keep, _member
+    from embckpt.read.stage import StagedFile
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        counts = rng.integers(1, 20, size=int(rng.integers(1, 6)))
+        sizes = rng.integers(10, 1000, size=len(counts)).astype(float)
+        per_row = np.repeat(sizes / counts, counts)  # each row's share, as defined
+        n = int(counts.sum())
+        first = int(rng.integers(0, n))
+        last = int(rng.integers(first, n + 1))
+        mask = rng.random(last - first) < 0.5
+        segments = ((0, 3, None), (3, 8, mask))
+        entry = SimpleNamespace(shard_cols=8)
+        file = StagedFile(
+            SimpleNamespace(entry=entry),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            np.arange(n),
+            np.cumsum(counts),
+            sizes / counts,
+            [Keep(first, last, segments, None)],
+        )
+        share = per_row[first:last]
+        expected = share.sum() * 3 / 8 + share[mask].sum() * 5 / 8
+        assert np.isclose(file.needed_bytes(), expected)
+        values = np.arange(int(rng.integers(0, 50)), int(rng.integers(50, 100)))  # a run
+        found = np.unique(rng.integers(0, 120, size=int(rng.integers(0, 40))))
+        assert np.array_equal(_member(values, found), np.isin(values, found))
+        sparse = np.unique(rng.integers(0, 200, size=30))
+        assert np.array_equal(_member(sparse, found), np.isin(sparse, found))

@@ -102,6 +102,14 @@ def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     """``values`` (ascending, unique) in ``sorted_set`` (ascending, unique), elementwise."""
     if not len(sorted_set) or not len(values):
         return np.zeros(len(values), dtype=bool)
+    first, last = int(values[0]), int(values[-1])
+    if last - first + 1 == len(values):  # a run of rows (a full's): index by offset
+        inside = sorted_set[
+            np.searchsorted(sorted_set, first) : np.searchsorted(sorted_set, last, "right")
+        ]
+        member = np.zeros(len(values), dtype=bool)
+        member[inside - first] = True
+        return member
     if len(sorted_set) < len(values):  # search the smaller array in the larger (``values``
         # ascend too): a base's rows against the few its diffs give
         at = np.searchsorted(values, sorted_set)

@@ -80,8 +80,11 @@ class ReadCost:
 class StagedFile:
     """One file's checked bytes and codecs: everything apply needs, nothing left to verify.
 
-    ``rows`` are the staged rows' global ids (ascending), ``row_bytes`` each one's share of the
-    bytes read, ``keeps`` per target block the rows still newest (set by :func:`stage`).
+    ``rows`` are the staged rows' global ids (ascending); the bytes read are shared among them
+    group by group (``group_ends``: where each fetched row group's rows end among ``rows``;
+    ``group_rate``: its bytes per row; kept per group, not per row: a full of 10M rows would
+    need a 10M-entry array); ``keeps`` per target block the rows still newest (set by
+    :func:`stage`).
     """
 
     read: FileRead
@@ -89,7 +92,8 @@ class StagedFile:
     codec: Codec
     state_codec: Codec
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    row_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    group_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    group_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
     keeps: list[Keep] | None = None
 
     @property
@@ -100,11 +104,19 @@ class StagedFile:
     def needed_bytes(self) -> float:
         """The bytes of exactly the cells this file gives its blocks."""
         entry, total = self.read.entry, 0.0
+        ends = self.group_ends
+        starts = np.concatenate([[0], ends[:-1]])
         for keep in self.keeps or ():
-            share = self.row_bytes[keep.first : keep.last]
+            # Each group's rows among the keep's positions [first, last), then the kept ones.
+            lo_at = (starts - keep.first).clip(0, keep.last - keep.first)
+            hi_at = (ends - keep.first).clip(0, keep.last - keep.first)
             for lo, hi, mask in keep.segments:
-                taken = share if mask is None else share[mask]
-                total += float(taken.sum()) * (hi - lo) / entry.shard_cols
+                if mask is None:
+                    counts = hi_at - lo_at
+                else:
+                    kept = np.concatenate([[0], np.cumsum(mask)])
+                    counts = kept[hi_at] - kept[lo_at]
+                total += float(counts @ self.group_rate) * (hi - lo) / entry.shard_cols
         return total
 
 
@@ -199,10 +211,12 @@ def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFi
     entry = read.entry
     index = entry.partial_index
     if read.groups is None or index is None:
-        row_bytes = np.full(entry.rows, entry.bytes / max(entry.rows, 1))
+        counts, sizes = [entry.rows], [entry.bytes]
     else:
         groups = [index.row_groups[g] for g in read.groups]
-        row_bytes = np.repeat([g.length / g.rows for g in groups], [g.rows for g in groups])
+        counts, sizes = [g.rows for g in groups], [g.length for g in groups]
+    group_ends = np.cumsum(np.array(counts, dtype=np.int64))
+    group_rate = np.array(sizes, dtype=np.float64) / np.maximum(counts, 1)
     try:
         try:
             codec = codec_from_config(checked.header["codec"])
@@ -213,14 +227,15 @@ def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFi
             ) from exc
         with clock.time("decode"):
             rows = checked.row_ids()  # the row column alone: proves the file parses
-        if len(rows) != len(row_bytes):
+        listed = int(group_ends[-1]) if len(group_ends) else 0
+        if len(rows) != listed:
             raise CheckpointCorruptError(
-                checked.path, f"{len(rows)} rows where the manifest says {len(row_bytes)}"
+                checked.path, f"{len(rows)} rows where the manifest says {listed}"
             )
     except BaseException:
         checked.close()
         raise
-    return StagedFile(read, checked, codec, state_codec, rows, row_bytes)
+    return StagedFile(read, checked, codec, state_codec, rows, group_ends, group_rate)
 
 
 def stage(
