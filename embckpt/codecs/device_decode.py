@@ -8,11 +8,12 @@ multiply-adds), so where a row was decoded never shows in the table.
 
 Contract: :func:`decode_on_device` returns the float32 rows on ``device``, or None where this
 path does not apply: codecs other than ``asymmetric``, ``symmetric`` and ``adaptive`` (a
-subclass may decode otherwise), Triton not importable, or a device the kernels do not run on.
-The caller then decodes on the CPU. The fused bytes come from the codec's own reading of the
-column (``_payload_bytes``: Parquet's decompression, or Huffman coding, on the host), are
-copied into page-locked memory and cross asynchronously; the call returns once the kernel is
-queued on the current stream, which the caller's writes into the table follow.
+subclass may decode otherwise), Triton not importable, a device the kernels do not run on, or
+a Triton that failed to build or launch the kernel (logged once; the process then decodes on
+the CPU). The caller then decodes on the CPU. The fused bytes come from the codec's own
+reading of the column (``_payload_bytes``: Parquet's decompression, or Huffman coding, on the
+host), are copied into page-locked memory and cross asynchronously; the call returns once the
+kernel is queued on the current stream, which the caller's writes into the table follow.
 
 Test hook: with ``TRITON_INTERPRET=1`` in the environment when the kernels are first used,
 Triton's interpreter runs them on CPU tensors (see ``device_encode.py``).
@@ -20,6 +21,7 @@ Triton's interpreter runs them on CPU tensors (see ``device_encode.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,14 +34,19 @@ from embckpt.codecs.packing import packed_width
 from embckpt.codecs.uniform import AsymmetricCodec, SymmetricCodec
 from embckpt.errors import CodecError
 
+log = logging.getLogger(__name__)
+
 _SERVED = (AsymmetricCodec, SymmetricCodec, AdaptiveCodec)
 _BLOCK = 64  # rows per program
 _INTERPRETED_BLOCK = 1024  # the interpreter's cost is per operation on a whole block
 
 
+_failed: list[str] = []  # why the kernel could not run here (then the CPU decodes)
+
+
 def serves(codec: Codec, device: torch.device) -> bool:
     """Whether :func:`decode_on_device` decodes ``codec``'s rows on ``device``."""
-    return type(codec) in _SERVED and is_available(device)
+    return type(codec) in _SERVED and not _failed and is_available(device)
 
 
 def decode_on_device(
@@ -78,21 +85,26 @@ def decode_on_device(
         host = host.pin_memory()
     codes = host.to(device, non_blocking=True)
     block = _INTERPRETED_BLOCK if kernels.INTERPRETED else _BLOCK
-    kernels.decode_rows[(-(-n // block),)](
-        codes,
-        out,
-        n,
-        codes.stride(0),
-        out.stride(0),
-        COLS=num_cols,
-        COLS_P2=max(1, 1 << (num_cols - 1).bit_length()),
-        BITS=codec.bits,
-        WIDTH=width,
-        HALF=half,
-        BIAS_STORED=codec.bias_stored,
-        BLOCK=block,
-        enable_fp_fusion=False,
-    )
+    try:
+        kernels.decode_rows[(-(-n // block),)](
+            codes,
+            out,
+            n,
+            codes.stride(0),
+            out.stride(0),
+            COLS=num_cols,
+            COLS_P2=max(1, 1 << (num_cols - 1).bit_length()),
+            BITS=codec.bits,
+            WIDTH=width,
+            HALF=half,
+            BIAS_STORED=codec.bias_stored,
+            BLOCK=block,
+            enable_fp_fusion=False,
+        )
+    except Exception as exc:  # a Triton that cannot build the kernel: the CPU decodes
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        log.warning("decoding on %s is off, the CPU decodes: %s", device, _failed[-1][:300])
+        return None
     return out
 
 
