@@ -128,3 +128,26 @@ def test_cuda_kernel_decodes_as_the_cpu() -> None:
                 for cols in (1, 16, 37, 64, 128):
                     rows = _rows(4096, cols, seed=cols, wide=param_dtype == "float32")
                     _assert_as_on_cpu(codec, rows, cuda)
+
+
+def test_a_kernel_that_fails_turns_the_device_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton that cannot build the kernel (no GPU needed: a stand-in kernel raises) gives
+    None, logged, and the device path stays off for the process: the CPU decodes."""
+    from types import SimpleNamespace
+
+    from embckpt.codecs import device_decode
+
+    def launch(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("PTX assembly failed")
+
+    kernels = SimpleNamespace(INTERPRETED=True, decode_rows={(1,): launch})
+    monkeypatch.setattr(device_decode, "_kernels", lambda: kernels)
+    monkeypatch.setattr(device_decode, "is_available", lambda device: True)
+    monkeypatch.setattr(device_decode, "_failed", [])
+    codec = make_codec("adaptive", {"bits": 4})
+    cpu = torch.device("cpu")
+    assert serves(codec, cpu)
+    encoded = codec.encode(torch.randn(5, 8))
+    assert device_decode.decode_on_device(codec, encoded, 8, cpu) is None
+    assert not device_decode.serves(codec, cpu)
+    assert "PTX assembly failed" in device_decode._failed[0]
