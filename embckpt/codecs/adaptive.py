@@ -125,9 +125,14 @@ class AdaptiveCodec(AsymmetricCodec):
     def _ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xmin, xmax = row_extremes(x)
         steps = self._steps()
-        if steps < 2 or x.shape[0] == 0 or not bool(torch.isfinite(xmin).all()):
+        if (
+            steps < 2
+            or x.shape[0] == 0
+            or not bool(torch.isfinite(xmin).all() & torch.isfinite(xmax).all())
+        ):
             # Under two steps the walk never meets a local optimum but the full range; NaN
-            # and infinities are reported by encode().
+            # and infinities are reported by encode(), from these ranges (a search over a row
+            # holding +inf could settle on a finite range and clip it silently).
             return xmin, xmax
         half = self.param_dtype == "float16" or (
             self.param_dtype == "auto" and half_params_fit(xmin, xmax, self.bits)
