@@ -20,6 +20,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -121,6 +122,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
+    rendezvous: str,
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
@@ -139,7 +141,12 @@ def _worker(
     np.random.seed()  # fresh entropy, as a spawned rank had: a fork copies the server's state
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # The ranks meet through a file of the caller's, not the port: a port free a moment ago
+        # can be taken meanwhile by another launch (parallel tests), whose ranks would then
+        # meet these. MASTER_PORT stays set for code that reads it.
+        dist.init_process_group(
+            backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size
+        )
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -170,10 +177,12 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     inheritance = _Inheritance.of_caller()
+    folder = tempfile.TemporaryDirectory(prefix="embckpt-ranks-")
+    rendezvous = os.path.join(folder.name, "rendezvous")
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, results, inheritance),
+            args=(rank, world_size, port, rendezvous, fn, args, results, inheritance),
             daemon=False,
         )
         for rank in range(world_size)
@@ -205,6 +214,7 @@ def run_ranks(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        folder.cleanup()
     if failures:
         raise RankFailed("\n".join(failures))
     return [outputs[rank] for rank in range(world_size)]
