@@ -12,6 +12,10 @@ caller's ``sys.path``, working directory and ``__main__`` module.
 
 Where CUDA is available, ranks are spawned instead: CUDA cannot start in a process forked from
 one that asked for it, and importing ``fbgemm_gpu`` asks (``torch.cuda.is_available()``).
+
+The ranks of one launch meet through a file in a folder of the caller's (a ``FileStore``),
+removed when the launch ends: launches running side by side (parallel tests) never meet each
+other's ranks, as they could through a TCP port chosen free a moment before.
 """
 
 from __future__ import annotations
