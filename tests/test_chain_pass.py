@@ -223,3 +223,35 @@ def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:
         assert np.array_equal(_member(values, found), np.isin(values, found))
         sparse = np.unique(rng.integers(0, 200, size=30))
         assert np.array_equal(_member(sparse, found), np.isin(sparse, found))
+
+
+def test_a_damaged_diff_fails_naming_it_and_every_staged_file_is_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A diff staged early (with every small diff, before the newer ones finished) that fails
+    its checks fails the restore naming the file; whatever was staged is closed."""
+    from embckpt.errors import CheckpointCorruptError
+    from embckpt.storage import rowfile_ranges
+
+    _write_chain(tmp_path, links=5, seed=7)
+    damaged = tmp_path / "step_000000000004" / "tables" / "t" / "delta.parquet"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    balance = {"use": 0, "release": 0}
+    use, release = rowfile_ranges.FetchedFile.use, rowfile_ranges.FetchedFile.release
+
+    def counted_use(self):
+        balance["use"] += 1
+        use(self)
+
+    def counted_release(self):
+        balance["release"] += 1
+        release(self)
+
+    monkeypatch.setattr(rowfile_ranges.FetchedFile, "use", counted_use)
+    monkeypatch.setattr(rowfile_ranges.FetchedFile, "release", counted_release)
+    store = CheckpointStore(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match="delta.parquet"):
+        read_into(store, read_chain(store, None), [_shard()], threads=3)
+    assert balance["use"] > 0 and balance["use"] == balance["release"], balance

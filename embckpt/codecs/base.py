@@ -106,7 +106,7 @@ class Codec(abc.ABC):
                 first.metadata,
             )
             decoded = self.decode(joined, num_cols)
-            counts = [len(_chunk(next(iter(items[i].columns.values())))) for i in members]
+            counts = [len(next(iter(items[i].columns.values()))) for i in members]
             for i, part in zip(members, torch.split(decoded, counts), strict=True):
                 out[i] = part
         return [t for t in out if t is not None]

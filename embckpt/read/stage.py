@@ -262,34 +262,36 @@ def stage(
     submitted: list[tuple[int, concurrent.futures.Future]] = []
     try:
         with worker_pool(threads, "embckpt-stage") as pool:
-            early = _prefetch(pool, store, chain_length, reads, clock)
-            submitted.extend((p, f) for p, futures in early.items() for f in futures)
-            for position in reversed(range(chain_length)):
-                futures = early.get(position)
-                if futures is None:
-                    with clock.time("plan"):
-                        pruned = [coverage.prune(r) for r in reads if r.position == position]
-                    todo = [r for r in pruned if r is not None]
-                    futures = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)]
-                    submitted.extend((position, f) for f in futures)
-                try:
+            try:
+                early = _prefetch(pool, store, chain_length, reads, clock)
+                submitted.extend((p, f) for p, futures in early.items() for f in futures)
+                for position in reversed(range(chain_length)):
+                    futures = early.get(position)
+                    if futures is None:
+                        with clock.time("plan"):
+                            pruned = [coverage.prune(r) for r in reads if r.position == position]
+                        todo = [r for r in pruned if r is not None]
+                        futures = [
+                            pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)
+                        ]
+                        submitted.extend((position, f) for f in futures)
                     for future in concurrent.futures.as_completed(futures):
                         staged, file_cost = future.result()
                         by_position[position].extend(staged)
                         cost.add(file_cost)
                         if bar is not None:
                             bar.update(sum(s.read.planned_bytes for s in staged))
-                except BaseException:
-                    _collect(submitted, by_position)
-                    raise
-                with clock.time("plan"):
-                    files = sorted(by_position[position], key=lambda f: f.read.entry.path)
-                    by_position[position] = files
-                    for file in files:
-                        file.keeps = coverage.keep(file.read, file.rows)
-                        cost.bytes_needed += file.needed_bytes()
-                    for file in files if position else ():  # nothing older than the base
-                        coverage.give(file.read, file.rows, file.additive)
+                    with clock.time("plan"):
+                        files = sorted(by_position[position], key=lambda f: f.read.entry.path)
+                        by_position[position] = files
+                        for file in files:
+                            file.keeps = coverage.keep(file.read, file.rows)
+                            cost.bytes_needed += file.needed_bytes()
+                        for file in files if position else ():  # nothing older than the base
+                            coverage.give(file.read, file.rows, file.additive)
+            except BaseException:  # whatever failed: what any position staged is released
+                _collect(submitted, by_position)
+                raise
     except BaseException:
         release([file for files in by_position for file in files])
         raise
