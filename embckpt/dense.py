@@ -49,8 +49,10 @@ _HINTS: dict[type, str] = {
 }
 
 
-def encode_tree(tree: Any, root: str = "state") -> bytes:
-    """Serialises nested dicts / lists / tuples of tensors, numpy arrays and JSON scalars.
+def encode_tree(tree: Any, root: str = "state", metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialises nested dicts / lists / tuples of tensors, numpy arrays and JSON scalars;
+    ``metadata`` goes into the header beside the structure (a rank file's index of its rows
+    files, ``storage/rank_parts.py``).
 
     Raises:
         TypeError: a value the format cannot hold, named by its key path from ``root``.
@@ -63,7 +65,8 @@ def encode_tree(tree: Any, root: str = "state") -> bytes:
         return {tag: name}
 
     structure = _walk(tree, root, leaf)
-    return safetensors.torch.save(tensors, metadata={_STRUCT_KEY: json.dumps(structure)})
+    header = {**(metadata or {}), _STRUCT_KEY: json.dumps(structure)}
+    return safetensors.torch.save(tensors, metadata=header)
 
 
 def check_tree(tree: Any, root: str) -> None:

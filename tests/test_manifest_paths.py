@@ -22,6 +22,7 @@ from embckpt.examples.launcher import run_ranks
 from embckpt.read.export import reconstruct
 from embckpt.read.merge import merge
 from embckpt.report import build_report
+from embckpt.storage.chain import read_manifest
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.paths import path_problem
@@ -228,8 +229,8 @@ def test_restore_refuses_a_crafted_step_on_every_rank(run_copy: Path, tmp_path: 
     CRAFTS["dotdot"](head, tmp_path / "outside")
     parent = _step_dir(run_copy / "incremental", 10)
     # A rows file of the parent (its small blocks are packed into one: that one).
-    listed = json.loads((parent / MANIFEST_NAME).read_text())["files"]
-    rows = next(f["path"] for f in listed if f["role"] == "rows")
+    listed = read_manifest(CheckpointStore(run_copy / "incremental"), 10).files
+    rows = next(f.path for f in listed if f.role == "rows")
     copy = _outside_copy(parent, rows, tmp_path / "outside" / "rows.parquet")
     os.remove(parent / rows)
     (parent / rows).symlink_to(copy)

@@ -132,7 +132,7 @@ def test_sha256_entries_still_check_and_unknown_checksums_are_errors(tmp_path: P
 def test_manifest_names_its_checksum_algorithm_and_reads_format_1_keys() -> None:
     manifest = _manifest()
     body = json.loads(manifest.to_json())
-    assert body["checksum_algorithm"] == "crc32c" and body["format_version"] == 4
+    assert body["checksum_algorithm"] == "crc32c" and body["format_version"] == 5
     assert "checksum" in body["files"][0] and "sha256" not in body["files"][0]
     # A format-1 manifest: no algorithm field, SHA-256 under the old keys.
     del body["checksum"], body["checksum_algorithm"]

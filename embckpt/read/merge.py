@@ -146,6 +146,10 @@ def _merge_locked(store: CheckpointStore, step: int, row_group_rows: int) -> Man
         base_step=step,
         parent_step=None,
         files=tuple(sorted(files, key=lambda f: f.path)),
+        # Every file listed here: the rank files' indexes list the chain's files, not these.
+        parts=(),
+        tables_from=None,
+        loaded=None,
         history=(HistoryEntry(step, "full", total, 1.0),),
         # The files it writes are this version's, whatever the head was written with; its
         # table names stay the chain's (bare before format 3).

@@ -56,6 +56,30 @@ class FileRead:
         )
 
 
+def writer_ranks(manifest: Manifest, shards: Sequence[TableShard]) -> set[int]:
+    """The ranks whose blocks of ``manifest`` overlap ``shards``: the parts whose rows files a
+    restore of ``shards`` may need (format 5). Every table of a plan is split into disjoint
+    blocks, so under the writer's own plan a rank needs its own part alone."""
+    by_table: dict[str, list[TableShard]] = {}
+    for shard in shards:
+        by_table.setdefault(shard.table, []).append(shard)
+    ranks: set[int] = set()
+    for table in manifest.tables:
+        wanted = by_table.get(table.name)
+        if not wanted or not table.shards:
+            continue
+        rank, row, col, rows, cols = np.asarray(table.shards, dtype=np.int64).T
+        for s in wanted:
+            hit = (
+                (row < s.row_offset + s.num_rows)
+                & (s.row_offset < row + rows)
+                & (col < s.col_offset + s.num_cols)
+                & (s.col_offset < col + cols)
+            )
+            ranks.update(rank[hit].tolist())
+    return ranks
+
+
 def plan_reads(chain: Sequence[Manifest], shards: Sequence[TableShard]) -> list[FileRead]:
     """The files, and the row groups in them, that ``shards`` need from ``chain`` (before the
     newest-first pruning of :func:`stage`)."""

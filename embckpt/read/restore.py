@@ -60,7 +60,7 @@ from embckpt.errors import (
 )
 from embckpt.read.apply import apply_staged
 from embckpt.read.heap import trim_heap
-from embckpt.read.plan import plan_reads
+from embckpt.read.plan import plan_reads, writer_ranks
 from embckpt.read.side_state import SideState, apply_side_state, read_side_state
 from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
@@ -230,10 +230,12 @@ def restore_checkpoint(
     try:
         with clock.time("plan"):
             path = store.step_path(target)
-            chain = named_as_model(read_chain(store, target), into, path)
+            shards = into.row_shards()
+            chain = read_chain(store, target, lambda m: writer_ranks(m, shards))
+            chain = named_as_model(chain, into, path)
             check_model_matches(into, chain[-1], path)
             failpoints.hit("restore.plan")
-            reads = plan_reads(chain, into.row_shards())
+            reads = plan_reads(chain, shards)
         total = sum(r.planned_bytes for r in reads)
         show = comm.rank == 0 and (
             progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from embckpt import dense, failpoints
@@ -30,8 +30,18 @@ from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter
 from embckpt.save.writer_process import WriterProcess
 from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
-from embckpt.storage.manifest import FileEntry, HistoryEntry, Manifest, WrittenFile, files_bytes
+from embckpt.storage.manifest import (
+    PART_ROLES,
+    PARTS_VERSION,
+    FileEntry,
+    HistoryEntry,
+    Manifest,
+    PartEntry,
+    TableEntry,
+    WrittenFile,
+)
 from embckpt.storage.phases import PhaseClock
+from embckpt.storage.rank_parts import index_metadata, part_of
 from embckpt.storage.retention import apply_retention
 
 log = logging.getLogger(__name__)
@@ -56,6 +66,7 @@ class Snapshot:
     session: CowSession | None = None  # a copy-on-write window: the copier runs in the persist
     staged: list[StagedUnit] = field(default_factory=list)
     entries: list[FileEntry] = field(default_factory=list)
+    part: PartEntry | None = None  # this rank's part (format 5): its rank file indexes its rows
     error: BaseException | None = None
     on_copied: Callable[[float], None] | None = None  # told when every row is copied
 
@@ -127,10 +138,9 @@ class Persister:
             phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
             phases["commit"] += time.perf_counter() - agreeing
             gathered = comm.gather_checked(
-                (snapshot.entries, phases), None, f"saving step {step}", SaveRankError
+                (self._reported(snapshot), phases), None, f"saving step {step}", SaveRankError
             )
-            entries = [e for rank_entries, _ in gathered for e in rank_entries]
-            manifest = self._manifest(snapshot, entries, [phases for _, phases in gathered])
+            manifest = self._manifest(snapshot, gathered)
             error = None
             if comm.rank == 0:
                 try:
@@ -261,28 +271,47 @@ class Persister:
                 with clock.time("hash"):
                     written = store.write_file(step, DENSE_FILE, data, clock=clock)
                 snapshot.entries.append(_entry(written, "dense", rank))
+            rows = [e for e in snapshot.entries if e.role == "rows"]
             with clock.time("encode"):
-                data = dense.encode_tree(snapshot.rank)
+                index = index_metadata(rows) if self.ctx.tiers is None else None
+                data = dense.encode_tree(snapshot.rank, metadata=index)
             with clock.time("hash"):
                 written = store.write_file(step, rank_file(rank), data, clock=clock)
-            snapshot.entries.append(_entry(written, "rank", rank))
+            if index is None:
+                snapshot.entries.append(_entry(written, "rank", rank))
+            else:
+                snapshot.part = part_of(rank, data, written.checksum, rows)
             failpoints.hit("save.agree")
         except Exception as exc:
             return exc
         return None
 
+    def _reported(self, snapshot: Snapshot) -> tuple[PartEntry | None, list[FileEntry]]:
+        """What this rank tells the others at the commit: its part and its files outside it
+        (format 5: the dense file, on rank 0), or no part and every file it wrote."""
+        if snapshot.part is None:
+            return None, snapshot.entries
+        return snapshot.part, [e for e in snapshot.entries if e.role not in PART_ROLES]
+
     def _manifest(
-        self, snapshot: Snapshot, files: list[FileEntry], phases: list[dict[str, float]]
+        self,
+        snapshot: Snapshot,
+        gathered: list[tuple[tuple[PartEntry | None, list[FileEntry]], dict[str, float]]],
     ) -> Manifest:
+        """The checkpoint's manifest as every rank builds it from what the ranks reported:
+        with parts, its ``files`` hold this rank's rows files only (``Manifest.loaded``)."""
         ctx = self.ctx
         full = snapshot.decision.kind is Kind.FULL
+        phases = [p for _, p in gathered]
         slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
+        parts = tuple(part for (part, _), _ in gathered if part is not None)
+        files = [e for (_, entries), _ in gathered for e in entries]
+        loaded: frozenset[int] | None = None
+        if parts:
+            own = [e for e in snapshot.entries if e.role == "rows"]
+            files += own + [_entry(p.written, "rank", p.rank) for p in parts]
+            loaded = frozenset({ctx.comm.rank})
         head = self.state.head
-        total = files_bytes(files)
-        entry = HistoryEntry(
-            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
-        )
-        history = (entry,) if full or head is None else (*head.history, entry)
         manifest = Manifest(
             step=snapshot.step,
             kind=snapshot.decision.kind.value,
@@ -293,9 +322,19 @@ class Persister:
             codec=snapshot.codec.get_config(),
             tables=ctx.tables,
             files=tuple(sorted(files, key=lambda f: f.path)),
-            history=history,
+            parts=parts,
+            tables_from=None if full else _tables_from(head, ctx.tables),
+            loaded=loaded,
+        )
+        total = manifest.total_bytes
+        entry = HistoryEntry(
+            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
+        )
+        manifest = replace(
+            manifest,
+            history=(entry,) if full or head is None else (*head.history, entry),
             stats={
-                "rows_written": sum(f.rows for f in files if f.role == "rows"),
+                "rows_written": manifest.rows_written,
                 "dirty_fraction": snapshot.dirty_fraction,
                 "touched_fraction": snapshot.touched_fraction,
                 "full_fp32_bytes": ctx.full_fp32_bytes,
@@ -316,6 +355,19 @@ class Persister:
                 "checkpoint could not be restored, so it is not committed"
             )
         return manifest
+
+
+def _tables_from(head: Manifest | None, tables: tuple[TableEntry, ...]) -> int | None:
+    """The step whose manifest lists a diff's tables, when they are those of its chain's full
+    checkpoint (a format-5 one that lists them): the full, which every restore of the diff
+    reads and retention keeps while the diff is kept."""
+    if head is None or head.format_version < PARTS_VERSION:
+        return None
+    if head.tables is not tables and head.tables != tables:
+        return None
+    if head.step == head.base_step and head.tables_from is None:
+        return head.step
+    return head.base_step if head.tables_from == head.base_step else None
 
 
 def _begin(snapshot: Snapshot) -> tuple[Any, ...]:

@@ -13,16 +13,40 @@ show it. They all walk it here:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from embckpt.errors import ChainIncompleteError, CheckpointCorruptError
 from embckpt.storage.fs import CheckpointStore
-from embckpt.storage.layout import MANIFEST_NAME
-from embckpt.storage.manifest import Manifest, ids_of_bare_names
+from embckpt.storage.layout import MANIFEST_NAME, rank_file
+from embckpt.storage.manifest import FileEntry, Manifest, ids_of_bare_names
+from embckpt.storage.rank_parts import check_header, parse_index
+
+Select = Callable[[Manifest], Collection[int] | None]
+"""Which ranks' parts of a chain link a reader needs (None: every rank's)."""
+PART_READERS = 16  # parts' indexes read at once when a reader needs many
 
 
-def read_manifest(store: CheckpointStore, step: int) -> Manifest:
-    """Reads and checks one committed manifest (its checksum, its step, the paths it names).
+def read_manifest(
+    store: CheckpointStore, step: int, ranks: Collection[int] | None = None
+) -> Manifest:
+    """Reads and checks one committed manifest (its checksum, its step, the paths it names),
+    with the rows files of ``ranks``' parts (None: every rank's; format 5, see
+    ``storage/rank_parts.py``) and its tables (a format-5 diff may leave them to an older
+    manifest).
+
+    Raises:
+        ChainIncompleteError: the step has no manifest.
+        CheckpointCorruptError: the manifest or a part's index is damaged; names it.
+    """
+    root = read_root(store, step)
+    return load_parts(store, _with_tables(store, root, {}), ranks)
+
+
+def read_root(store: CheckpointStore, step: int) -> Manifest:
+    """The manifest of ``step`` alone: in format 5, without its parts' rows files and maybe
+    without its tables (``Manifest.tables_from``).
 
     Raises:
         ChainIncompleteError: the step has no manifest.
@@ -38,6 +62,65 @@ def read_manifest(store: CheckpointStore, step: int) -> Manifest:
             ) from None
         raise
     return manifest_from_bytes(store, step, data)
+
+
+def load_parts(
+    store: CheckpointStore, manifest: Manifest, ranks: Collection[int] | None = None
+) -> Manifest:
+    """``manifest`` with the rows files of ``ranks``' parts (None: every part) added to its
+    ``files``: each part's index read (a ranged read of its rank file's header) and checked
+    against the manifest. Parts read already are not read again.
+
+    Raises:
+        CheckpointCorruptError: an index is missing, damaged or lists what it may not; names
+            the rank file.
+    """
+    if manifest.loaded is None:
+        return manifest
+    by_rank = {p.rank: p for p in manifest.parts}
+    wanted = set(by_rank) if ranks is None else set(ranks) & set(by_rank)
+    todo = sorted(wanted - manifest.loaded)
+    if not todo:
+        return manifest
+
+    def index_of(rank: int) -> list[FileEntry]:
+        part, relative = by_rank[rank], rank_file(rank)
+        path = store.step_path(manifest.step, relative)
+        header = store.read_head(manifest.step, relative, part.index_bytes)
+        check_header(header, part, path)
+        return parse_index(header, part, path)
+
+    if len(todo) == 1:
+        found = [index_of(todo[0])]
+    else:  # one ranked read each: an object store answers them in parallel
+        with ThreadPoolExecutor(min(PART_READERS, len(todo))) as pool:
+            found = list(pool.map(index_of, todo))
+    added = tuple(e for entries in found for e in entries)
+    path = store.step_path(manifest.step, MANIFEST_NAME)
+    store.check_contained(manifest.step, list(dict.fromkeys(e.path for e in added)), path)
+    loaded = replace(manifest, files=manifest.files + added, loaded=manifest.loaded | set(todo))
+    twice = loaded.repeated_paths()
+    if twice:
+        raise CheckpointCorruptError(
+            path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
+        )
+    return loaded
+
+
+def _with_tables(
+    store: CheckpointStore, manifest: Manifest, known: Mapping[int, Manifest]
+) -> Manifest:
+    """``manifest`` with its tables, from the manifest that lists them (``known`` or read)."""
+    source_step = manifest.tables_from
+    if source_step is None:
+        return manifest
+    source = known.get(source_step) or read_root(store, source_step)
+    if source.tables_from is not None or source_step >= manifest.step:
+        raise CheckpointCorruptError(
+            store.step_path(manifest.step, MANIFEST_NAME),
+            f"its tables are those of step {source_step}, which does not list them",
+        )
+    return replace(manifest, tables=source.tables)
 
 
 def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manifest:
@@ -59,15 +142,30 @@ def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manif
     return manifest
 
 
-def load_manifests(store: CheckpointStore) -> tuple[dict[int, Manifest], list[tuple[str, str]]]:
-    """Every committed manifest that reads and checks, and (path, reason) of those that do not."""
+def load_manifests(
+    store: CheckpointStore, parts: bool = True
+) -> tuple[dict[int, Manifest], list[tuple[str, str]]]:
+    """Every committed manifest that reads and checks, and (path, reason) of those that do not;
+    ``parts`` False reads no part's index (the chain's links and tables only: retention)."""
     manifests: dict[int, Manifest] = {}
     problems: list[tuple[str, str]] = []
+    roots: dict[int, Manifest] = {}
     for step in store.committed_steps():
         try:
-            manifests[step] = read_manifest(store, step)
+            roots[step] = read_root(store, step)
         except (CheckpointCorruptError, ChainIncompleteError) as exc:
             problems.append((exc.path, exc.reason))
+    for step, root in roots.items():
+        try:
+            manifests[step] = _with_tables(store, root, roots)
+        except CheckpointCorruptError as exc:
+            problems.append((exc.path, exc.reason))
+            continue
+        for part in root.parts if parts else ():  # one by one: a bad part spoils no other
+            try:
+                manifests[step] = load_parts(store, manifests[step], [part.rank])
+            except CheckpointCorruptError as exc:
+                problems.append((exc.path, exc.reason))
     return manifests, problems
 
 
@@ -112,9 +210,11 @@ def latest_step(store: CheckpointStore) -> int:
     return committed[-1]
 
 
-def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
+def read_chain(
+    store: CheckpointStore, step: int | None, select: Select | None = None
+) -> list[Manifest]:
     """The manifests a restore of ``step`` (the latest committed one if None) needs, base
-    (full) first.
+    (full) first; of each, the rows files of the ranks ``select`` picks (None: every rank's).
 
     Raises:
         ChainIncompleteError: no committed checkpoint (``step`` None), or a checkpoint of the
@@ -125,7 +225,7 @@ def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
     """
     if step is None:
         step = latest_step(store)
-    chain = [read_manifest(store, step)]
+    chain = [read_root(store, step)]
     while chain[-1].parent_step is not None:
         child, parent = chain[-1], chain[-1].parent_step
         if parent in {m.step for m in chain} or parent >= child.step:
@@ -133,7 +233,7 @@ def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
                 store.step_path(child.step, MANIFEST_NAME), f"parent step {parent} is not older"
             )
         try:
-            chain.append(read_manifest(store, parent))
+            chain.append(read_root(store, parent))
         except ChainIncompleteError as exc:
             links = " <- ".join(str(s) for s in [child.base_step, parent, *_steps(chain[::-1])])
             committed = ", ".join(map(str, store.committed_steps())) or "none"
@@ -148,7 +248,10 @@ def read_chain(store: CheckpointStore, step: int | None) -> list[Manifest]:
             store.step_path(chain[-1].step, MANIFEST_NAME),
             "chain does not start at a full checkpoint",
         )
-    return _with_one_naming(chain[::-1])
+    known = {m.step: m for m in chain}
+    chain = [_with_tables(store, m, known) for m in chain[::-1]]
+    chain = [load_parts(store, m, None if select is None else select(m)) for m in chain]
+    return _with_one_naming(chain)
 
 
 def _with_one_naming(chain: list[Manifest]) -> list[Manifest]:

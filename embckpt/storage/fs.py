@@ -393,6 +393,20 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
 
+    def read_head(self, step: int, relative: str, length: int) -> bytes:
+        """The first ``length`` bytes of a file of a step folder (fewer if it is shorter),
+        unchecked: one ranged read, so an object store fetches nothing more.
+
+        Raises:
+            CheckpointCorruptError: the file is missing or unreadable.
+        """
+        path = self._inside(step, relative)
+        try:
+            with self.fs.open_input_file(path) as src:
+                return bytes(src.read_at(min(length, src.size()), 0))
+        except OSError as exc:
+            raise CheckpointCorruptError(path, f"cannot read: {exc}") from exc
+
     def read_checked(
         self, step: int, expected: WrittenFile, clock: PhaseClock | None = None
     ) -> pa.Buffer:

@@ -14,168 +14,51 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
+from embckpt.storage.manifest_types import (
+    FileEntry,
+    FileIndex,
+    HistoryEntry,
+    PartEntry,
+    RowGroupEntry,
+    TableEntry,
+    WrittenFile,
+    file_entry_from_dict,
+    plain,
+)
 from embckpt.storage.paths import path_problem
+from embckpt.storage.table_columns import tables_from_columns, tables_to_columns
 
-FORMAT_VERSION = 4
+__all__ = [
+    "FORMAT_VERSION",
+    "FileEntry",
+    "FileIndex",
+    "HistoryEntry",
+    "Manifest",
+    "PartEntry",
+    "RowGroupEntry",
+    "TableEntry",
+    "WrittenFile",
+    "files_bytes",
+    "ids_of_bare_names",
+]
+
+FORMAT_VERSION = 5
 """2: CRC32C file checksums and float payloads as Parquet float lists; 3: a table is named by its
-collection's module path and its name; 4: small blocks packed into shared rows files
-(docs/ARCHITECTURE.md)."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+collection's module path and its name; 4: small blocks packed into shared rows files; 5: each
+rank's rows files listed in its rank file's header (``parts``), tables as columns of runs, a
+diff's unchanged tables named by the step that lists them (docs/ARCHITECTURE.md)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PARTS_VERSION = 5
+"""The first version that may list rows files in rank files (``Manifest.parts``)."""
+PART_ROLES = ("rank", "rows")
+"""The roles of the files a format-5 part holds: its rank file, and the rows files it lists."""
 QUALIFIED_TABLES_VERSION = 3
 """The first version whose table names carry their module path: older ones name tables bare."""
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """What the writer of a file knows about it: the manifest's record of it."""
-
-    path: str  # relative to the step folder
-    bytes: int
-    checksum: str  # see storage/checksum.py: CRC32C, or SHA-256 in format-1 manifests
-
-
-@dataclass(frozen=True)
-class RowGroupEntry:
-    """One Parquet row group of a rows file: its global row ids and its bytes.
-
-    The row group's column chunks are contiguous in the file, bytes
-    [offset, offset + length); ``checksum`` covers exactly those bytes, so a reader that fetches
-    only some row groups still checks every byte it decodes.
-    """
-
-    first_row: int
-    last_row: int  # inclusive, as in the Parquet statistics
-    rows: int
-    offset: int
-    length: int
-    checksum: str
-
-
-@dataclass(frozen=True)
-class FileIndex:
-    """What a partial reader of a rows file needs: the footer's and row groups' checksums.
-
-    The footer (Parquet metadata, its length and the closing magic) is bytes
-    [footer_offset, file size); the row groups cover bytes [4, footer_offset) in order.
-    ``file_checksum`` is the checksum of the whole file the index describes: a reader uses the
-    index only for that file (an entry rewritten without a new index is read whole).
-    """
-
-    file_checksum: str
-    footer_offset: int
-    footer_checksum: str
-    row_groups: tuple[RowGroupEntry, ...] = ()
-    first_group: int = 0
-    """The Parquet number of the first row group listed: a block of a packed file lists its
-    own row groups only, Parquet's ``first_group`` to ``first_group + len(row_groups) - 1``."""
-
-    @classmethod
-    def from_dict(cls, body: Mapping[str, Any]) -> FileIndex:
-        return cls(
-            file_checksum=_legacy(body, "file_checksum", "file_sha256"),
-            footer_offset=body["footer_offset"],
-            footer_checksum=_legacy(body, "footer_checksum", "footer_sha256"),
-            row_groups=tuple(
-                RowGroupEntry(**_renamed(g, "sha256", "checksum")) for g in body["row_groups"]
-            ),
-            first_group=body.get("first_group", 0),
-        )
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint.
-
-    ``role`` is ``rows`` (a table shard's rows), ``dense`` (dense modules and optimizer, rank 0)
-    or ``rank`` (one rank's RNG and data position). For ``rows`` files the shard fields say
-    which block of the table the file's rows belong to: global rows
-    [row_offset, row_offset + shard_rows) and columns [col_offset, col_offset + shard_cols).
-
-    Optional fields (a format-1 manifest may lack them): ``fqn``, the table weight's key in the
-    writer's ``model.state_dict()``; ``index``, the per-row-group checksums that let a reader
-    fetch and verify only the row groups it needs (without it, a reader fetches and checks the
-    whole file). ``checksum`` is spelled ``sha256`` in format-1 manifests that hold SHA-256.
-    """
-
-    path: str
-    bytes: int
-    checksum: str
-    role: str
-    rank: int
-    table: str = ""
-    row_offset: int = 0
-    col_offset: int = 0
-    shard_rows: int = 0
-    shard_cols: int = 0
-    rows: int = 0  # rows stored in this file
-    fqn: str = ""
-    index: FileIndex | None = None
-    block: int | None = None
-    """In a packed rows file (format 4), the block's number in the file's header ``blocks``;
-    ``bytes`` and ``checksum`` are then the whole file's, ``index`` lists the block's own row
-    groups. None: the file holds this block alone."""
-
-    @property
-    def packed(self) -> bool:
-        return self.block is not None
-
-    @property
-    def own_bytes(self) -> float:
-        """The bytes of this block: the whole file, or for a block of a packed file its row
-        groups plus their share (by length) of the file's footer and leading magic."""
-        index = self.index
-        if self.block is None or index is None or index.footer_offset <= 4:
-            return float(self.bytes)
-        own = sum(g.length for g in index.row_groups)
-        return own + (self.bytes - index.footer_offset + 4) * own / (index.footer_offset - 4)
-
-    @property
-    def partial_index(self) -> FileIndex | None:
-        """The index for partial reads of this very file, if it has one."""
-        index = self.index
-        return index if index is not None and index.file_checksum == self.checksum else None
-
-    @property
-    def written(self) -> WrittenFile:
-        return WrittenFile(self.path, self.bytes, self.checksum)
-
-    def overlaps(self, row_lo: int, row_hi: int, col_lo: int, col_hi: int) -> bool:
-        """True if this rows file can hold rows in [row_lo, row_hi) x [col_lo, col_hi)."""
-        return (
-            self.row_offset < row_hi
-            and row_lo < self.row_offset + self.shard_rows
-            and self.col_offset < col_hi
-            and col_lo < self.col_offset + self.shard_cols
-        )
-
-
-@dataclass(frozen=True)
-class TableEntry:
-    """A table as the writing job sharded it."""
-
-    name: str
-    rows: int
-    cols: int
-    dtype: str
-    sharding_type: str
-    row_states: tuple[str, ...] = ()
-    elem_states: tuple[str, ...] = ()
-    shards: tuple[tuple[int, int, int, int, int], ...] = ()  # (rank, row_off, col_off, rows, cols)
-
-
-@dataclass(frozen=True)
-class HistoryEntry:
-    """A past checkpoint of the same chain, for policies that learn from history."""
-
-    step: int
-    kind: str
-    bytes: int
-    dirty_fraction: float
 
 
 @dataclass(frozen=True)
@@ -202,10 +85,27 @@ class Manifest:
     stats: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = ALGORITHM
+    parts: tuple[PartEntry, ...] = ()
+    """Format 5: one per writing rank, whose rank file indexes its rows files (empty: every
+    file is listed here)."""
+    tables_from: int | None = None
+    """Format 5: the step whose manifest lists this one's tables (the same), or None."""
+    loaded: frozenset[int] | None = None
+    """The ranks whose parts ``files`` holds the rows files of (None: every rank's): a restore
+    reads the parts of the ranks whose blocks overlap its own, and only those."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``files`` lists every file of the checkpoint."""
+        return self.loaded is None or self.loaded >= {p.rank for p in self.parts}
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the files listed, each file once (blocks of a packed file share it)."""
+        """Bytes of the checkpoint's files, each file once (blocks of a packed file share it)."""
+        if self.parts:
+            return files_bytes(f for f in self.files if f.role == "dense") + sum(
+                p.files_bytes for p in self.parts
+            )
         return files_bytes(self.files)
 
     @property
@@ -215,6 +115,8 @@ class Manifest:
 
     @property
     def rows_written(self) -> int:
+        if self.parts:
+            return sum(p.rows for p in self.parts)
         return sum(f.rows for f in self.files if f.role == "rows")
 
     def with_stats(self, **stats: Any) -> Manifest:
@@ -250,8 +152,20 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest's text: one line of JSON (the C encoder: an indented dump runs in
-        Python, about 4 ms for 150 files, on the critical path of every save)."""
-        body = _plain(self)
+        Python, about 4 ms for 150 files, on the critical path of every save). Format 5 lays
+        the tables out as columns, and leaves each part's rows files to its rank file."""
+        body = plain(replace(self, tables=(), files=(), parts=(), loaded=None))
+        if self.format_version >= PARTS_VERSION:
+            listed = self.tables_from is None
+            body["tables"] = tables_to_columns(self.tables) if listed else None
+            ranks = {p.rank for p in self.parts}
+            own = [f for f in self.files if not (f.rank in ranks and f.role in PART_ROLES)]
+            body["files"] = plain(own)
+            body["parts"] = [p.as_list() for p in self.parts]
+        else:
+            del body["parts"], body["tables_from"]
+            body["tables"], body["files"] = plain(self.tables), plain(self.files)
+        del body["loaded"]
         body["checksum"] = _checksum(body)
         return json.dumps(body, sort_keys=True)
 
@@ -282,25 +196,8 @@ class Manifest:
                 path, f"checksum algorithm {algorithm!r} is not supported (crc32c, sha256)"
             )
         try:
-            manifest = cls(
-                **{
-                    **body,
-                    "tables": tuple(
-                        TableEntry(
-                            **{
-                                **t,
-                                "row_states": tuple(t["row_states"]),
-                                "elem_states": tuple(t["elem_states"]),
-                                "shards": tuple(tuple(s) for s in t["shards"]),
-                            }
-                        )
-                        for t in body["tables"]
-                    ),
-                    "files": tuple(_file_entry(f) for f in body["files"]),
-                    "history": tuple(HistoryEntry(**h) for h in body["history"]),
-                }
-            )
-        except (TypeError, KeyError) as exc:
+            manifest = cls(**{**body, **_parsed_fields(body, path)})
+        except (TypeError, KeyError, ValueError) as exc:
             raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
         for name in dict.fromkeys(f.path for f in manifest.files):  # blocks share a path
             problem = path_problem(name)
@@ -312,6 +209,37 @@ class Manifest:
                 path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
             )
         return manifest
+
+
+def _parsed_fields(body: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """The fields of ``body`` that are not plain JSON values, parsed."""
+    parts = tuple(PartEntry(*p) for p in body.get("parts", ()))
+    files = tuple(file_entry_from_dict(f) for f in body["files"])
+    files += tuple(FileEntry(p.written.path, p.bytes, p.checksum, "rank", p.rank) for p in parts)
+    listed = body["tables"]
+    if listed is None or isinstance(listed, Mapping):  # format 5: columns, or none
+        tables = () if listed is None else tables_from_columns(listed, path)
+        if listed is None and body.get("tables_from") is None:
+            raise ValueError("no tables, and no step that lists them")
+    else:
+        tables = tuple(
+            TableEntry(
+                **{
+                    **t,
+                    "row_states": tuple(t["row_states"]),
+                    "elem_states": tuple(t["elem_states"]),
+                    "shards": tuple(tuple(s) for s in t["shards"]),
+                }
+            )
+            for t in body["tables"]
+        )
+    return {
+        "tables": tables,
+        "files": files,
+        "parts": parts,
+        "history": tuple(HistoryEntry(**h) for h in body["history"]),
+        "loaded": frozenset() if parts else None,
+    }
 
 
 def files_bytes(files: Iterable[FileEntry]) -> int:
@@ -342,51 +270,6 @@ def _one_packed_file(entries: list[FileEntry]) -> bool:
         if e.index is not None
     )
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-
-
-def _file_entry(body: Mapping[str, Any]) -> FileEntry:
-    index = body.get("index")
-    return FileEntry(
-        **{
-            **_renamed(body, "sha256", "checksum"),
-            "index": None if index is None else FileIndex.from_dict(index),
-        }
-    )
-
-
-def _legacy(body: Mapping[str, Any], key: str, old_key: str) -> Any:
-    """``body[key]``, or ``body[old_key]`` (the SHA-256 spelling of format-1 manifests)."""
-    return body[key] if key in body else body[old_key]
-
-
-def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> Mapping[str, Any]:
-    """``body`` with ``old_key`` (a format-1 SHA-256 field) spelled ``key`` (``body`` itself,
-    not a copy, when it has no ``old_key``: callers only read it)."""
-    if old_key not in body:
-        return body
-    renamed = {k: v for k, v in body.items() if k != old_key}
-    renamed[key] = body[old_key]
-    return renamed
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _plain(value: Any) -> Any:
-    """``dataclasses.asdict`` without its deep copies of every leaf (several times faster)."""
-    kind = type(value)
-    if kind in (str, int, float, bool) or value is None:
-        return value
-    if is_dataclass(value):
-        names = _FIELD_NAMES.get(kind)
-        if names is None:
-            names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(value))
-        return {name: _plain(getattr(value, name)) for name in names}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def _checksum(body: Mapping[str, Any]) -> str:

@@ -37,7 +37,7 @@ def apply_retention(store: CheckpointStore, keep_last: int) -> list[int]:
     """
     if keep_last <= 0:
         return []
-    manifests, problems = load_manifests(store)
+    manifests, problems = load_manifests(store, parts=False)
     if problems:
         log.warning("retention skipped: unreadable manifests %s", [p for p, _ in problems])
         return []
