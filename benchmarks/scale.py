@@ -5,26 +5,34 @@ Per world size W and table count T (``--worlds``, ``--tables``), synthetic shard
 DLRM-like plan: the ``large`` tables (100 of 1,000 or 10,000; 4 of Criteo's 26) row-wise over
 every rank, 10M rows each; the others table-wise, round-robin, 20k rows each; 128 columns,
 row-wise Adagrad, 65,536-row row groups. Each rank's checkpoint is what the writer makes of
-it at the defaults: rows files of at most 2**20 rows per large-table block (their row groups
-indexed), one packed file for its table-wise blocks (each a block of it: under 4 MB), its
-rank file; rank 0's dense file.
+it at the defaults (``save/writer.py``): a block encoded at 4 bits into ``pack_below_bytes``
+(4 MB) or more gets rows files of at most ``max_file_rows`` rows, the smaller ones share packed
+files of up to 64 MB (as if handed to the writer in one piece); its rank file; rank 0's dense
+file. Every checkpoint of the chain of 6 holds the same files (a diff writing as much as a full
+is the worst case for metadata).
 
 What runs is the project's own code; what is simulated is said:
 
-* **commit** (``commit_s``): the ranks' file entries gathered (the collective is simulated: each
-  rank's entries pickled and unpickled, as ``all_gather_object`` does, not sent), the
-  ``Manifest`` built and serialized (``to_json``) and written atomically
-  (``CheckpointStore.write_atomic``) on local disk, as rank 0 does;
-* **planning a restore** (``plan_s_per_rank``): one rank reads a chain of 6 manifests
-  (``storage.chain.read_chain``, from local disk) and plans its reads
-  (``read.plan.plan_reads`` with its blocks on the meta device); every rank does the same
-  work, so one is timed; ``metadata_bytes_per_rank_restore`` and ``objects_per_rank_restore``
-  are what it fetched (the chain's manifests, whole);
-* **resharding** W -> 3W/4 (4,096 -> 3,072): the same plan for a rank of the new world size;
+* **each rank's part** (``rank_part_s``, once per rank, in parallel on a real job): its rank
+  file encoded with its index (``dense.encode_tree``, ``storage.rank_parts.index_metadata``,
+  ``part_of``) and written (``CheckpointStore.write_file``) into the step folder;
+* **commit** (``commit_s``, rank 0): the ranks' reports gathered (the collective is simulated:
+  each rank's report pickled and unpickled, as ``all_gather_object`` does, not sent), the
+  manifest built (``save.commit_manifest.build_manifest``, which every rank runs), serialized
+  and written atomically (``CheckpointStore.write_atomic``), on local disk;
+* **planning a restore** (``plan_s_per_rank``): one rank reads the chain of 6
+  (``storage.chain.read_chain`` with ``read.plan.writer_ranks`` picking the parts it needs)
+  and plans its reads (``read.plan.plan_reads``, its blocks on the meta device); every rank
+  does the same work, so one is timed. ``metadata_bytes_per_rank_restore`` and
+  ``objects_per_rank_restore`` count every read it made (manifests, parts' headers). Not
+  included: the model checks (``check_model_matches``), which need a model;
+* **resharding** W -> 3W/4 (4,096 -> 3,072): the same for a rank of the new world size;
 * ``objects_per_checkpoint``: distinct files plus the manifest.
 
-Configurations whose manifest would exceed ``--max-entries`` file entries are skipped (say so
-in ``skipped``). Writes ``benchmarks/results/scale.json``.
+Configurations whose file entries would exceed ``--max-entries`` are skipped (say so in
+``skipped``). Writes ``benchmarks/results/scale.json``; ``--before`` keeps a result file's
+``results`` under ``before`` (the figures of the format-4 design, one manifest listing every
+file).
 
 Run: ``python benchmarks/scale.py [--worlds 8,64,512,4096] [--tables 26,1000,10000]``
 """
@@ -32,8 +40,10 @@ Run: ``python benchmarks/scale.py [--worlds 8,64,512,4096] [--tables 26,1000,100
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
-import os
+import json
+import multiprocessing
 import pickle
 import sys
 import tempfile
@@ -41,32 +51,49 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import write_result  # noqa: E402
 
+from embckpt import dense  # noqa: E402
 from embckpt.blocks import TableShard  # noqa: E402
-from embckpt.read.plan import plan_reads  # noqa: E402
+from embckpt.config import CheckpointConfig  # noqa: E402
+from embckpt.policy import Decision, Kind  # noqa: E402
+from embckpt.read.plan import plan_reads, writer_ranks  # noqa: E402
+from embckpt.save.commit_manifest import CommitFacts, Reported, build_manifest  # noqa: E402
+from embckpt.save.writer import PACKED_FILE_BYTES  # noqa: E402
 from embckpt.storage.chain import read_chain  # noqa: E402
+from embckpt.storage.checksum import checksum  # noqa: E402
 from embckpt.storage.fs import CheckpointStore  # noqa: E402
-from embckpt.storage.layout import MANIFEST_NAME  # noqa: E402
+from embckpt.storage.layout import (  # noqa: E402
+    DENSE_FILE,
+    MANIFEST_NAME,
+    packed_rows_file,
+    rank_file,
+    rows_file,
+)
 from embckpt.storage.manifest import (  # noqa: E402
     FileEntry,
     FileIndex,
-    HistoryEntry,
     Manifest,
+    PartEntry,
     RowGroupEntry,
     TableEntry,
 )
+from embckpt.storage.rank_parts import index_metadata, part_of  # noqa: E402
 
 COLS = 128
 LARGE_ROWS = 10_000_000
 SMALL_ROWS = 20_000  # 1.4 MB at 4 bits: packed (pack_below_bytes, 4 MB)
-FILE_ROWS = 1 << 20  # max_file_rows: a block's rows files split at this many rows
-GROUP_ROWS = 65_536
+FILE_ROWS = CheckpointConfig.max_file_rows  # a block's rows files split at this many rows
+GROUP_ROWS = CheckpointConfig.row_group_rows
+PACK_BELOW = CheckpointConfig.pack_below_bytes
 ROW_BYTES = 4 + COLS // 2 + 8  # a 4-bit row, its parameters and id (the sizes only shape bytes)
+RANK_STATE = {"rng": torch.zeros(5056, dtype=torch.uint8), "data": {"position": 0}}
+"""A rank file's state besides its index: the CPU RNG's state and a data position."""
 CHECKSUM = "crc32c:00000000"
 CHAIN = 6
 
@@ -132,91 +159,106 @@ def _index(first_row: int, rows: int, offset: int) -> tuple[FileIndex, int]:
     return FileIndex(CHECKSUM, offset, CHECKSUM, tuple(groups)), offset
 
 
-def rank_entries(plan: Plan, rank: int) -> list[FileEntry]:
-    """The file entries one rank reports for one full checkpoint."""
+def rank_rows(plan: Plan, rank: int) -> list[FileEntry]:
+    """The rows entries one rank writes for one checkpoint, by the writer's rules."""
     names = plan.names()
-    large = large_count(plan.tables)
     entries: list[FileEntry] = []
-    packed: list[tuple[int, int, int]] = []
+    packed: list[tuple[str, int, int]] = []
     for t, r, lo, rows in plan.blocks():
         if r != rank:
             continue
-        if t >= large:
-            packed.append((t, lo, rows))
+        if rows * ROW_BYTES < PACK_BELOW:
+            packed.append((names[t], lo, rows))
             continue
         for part, p0 in enumerate(range(0, rows, FILE_ROWS)):
             n = min(FILE_ROWS, rows - p0)
             index, end = _index(lo + p0, n, 4)
-            path = f"tables/{names[t]}/r{lo}_c0.p{part}.parquet"
-            weight = f"{names[t]}.weight"
+            path = rows_file(names[t], lo, 0, part, False)
             entry = FileEntry(path, end + 4096, CHECKSUM, "rows", rank, names[t], lo, 0, rows, COLS)
-            entries.append(dataclasses.replace(entry, rows=n, fqn=weight, index=index))
-    offset, first_group = 4, 0
-    path = f"packed/rank_{rank:05d}.0.parquet"
-    indexes = []
-    for t, lo, rows in packed:
-        index, offset = _index(lo, rows, offset)
-        indexes.append((t, lo, rows, dataclasses.replace(index, first_group=first_group)))
-        first_group += len(index.row_groups)
-    for block, (t, lo, rows, index) in enumerate(indexes):
-        index = dataclasses.replace(index, footer_offset=offset)
-        entries.append(
-            FileEntry(
-                path,
-                offset + 4096,
-                CHECKSUM,
-                "rows",
-                rank,
-                names[t],
-                lo,
-                0,
-                rows,
-                COLS,
-                rows,
-                f"{names[t]}.weight",
-                index,
-                block,
+            entries.append(
+                dataclasses.replace(entry, rows=n, fqn=f"{names[t]}.weight", index=index)
             )
-        )
-    entries.append(FileEntry(f"dense/rank_{rank:05d}.safetensors", 16_000, CHECKSUM, "rank", rank))
-    if rank == 0:
-        entries.append(FileEntry("dense/model.safetensors", 4_000_000, CHECKSUM, "dense", 0))
+    files: list[list[tuple[str, int, int]]] = [[]]
+    size = 0
+    for block in packed:
+        if size >= PACKED_FILE_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(block)
+        size += block[2] * ROW_BYTES
+    for number, blocks in enumerate(f for f in files if f):
+        path = packed_rows_file(rank, number)
+        offset, first_group, indexes = 4, 0, []
+        for table, lo, rows in blocks:
+            index, offset = _index(lo, rows, offset)
+            indexes.append((table, lo, rows, dataclasses.replace(index, first_group=first_group)))
+            first_group += len(index.row_groups)
+        for block, (table, lo, rows, index) in enumerate(indexes):
+            index = dataclasses.replace(index, footer_offset=offset)
+            entries.append(
+                FileEntry(
+                    path,
+                    offset + 4096,
+                    CHECKSUM,
+                    "rows",
+                    rank,
+                    table,
+                    lo,
+                    0,
+                    rows,
+                    COLS,
+                    rows,
+                    f"{table}.weight",
+                    index,
+                    block,
+                )
+            )
     return entries
+
+
+def rank_part(rows: list[FileEntry], rank: int) -> tuple[bytes, PartEntry]:
+    """A rank's rank file (its state and the index of ``rows``) and the manifest's record."""
+    data = dense.encode_tree(RANK_STATE, metadata=index_metadata(rows))
+    return data, part_of(rank, data, checksum(data), rows)
 
 
 def commit(
     store: CheckpointStore,
     plan: Plan,
-    per_rank: list[list[FileEntry]],
+    reports: list[tuple[Reported, dict[str, float]]],
+    own_rows: list[FileEntry],
     step: int,
-    parent: int | None,
-) -> dict[str, Any]:
-    """Rank 0's commit of one checkpoint (the ranks' entries ``per_rank``); returns its costs."""
+    head: Manifest | None,
+) -> tuple[Manifest, dict[str, Any]]:
+    """Rank 0's commit of one checkpoint (``reports``: every rank's); returns the manifest and
+    its costs."""
     started = time.perf_counter()
-    sent = [pickle.dumps(entries) for entries in per_rank]  # what each rank sends
-    gathered = [e for data in sent for e in pickle.loads(data)]
+    sent = [pickle.dumps(report) for report in reports]  # what each rank sends
+    gathered = [pickle.loads(data) for data in sent]
     gathered_s = time.perf_counter() - started
-    manifest = Manifest(
+    facts = CommitFacts(
         step=step,
-        kind="full" if parent is None else "diff",
+        decision=Decision(Kind.FULL if head is None else Kind.DIFF),
         policy="incremental",
-        base_step=step if parent is None else 1,
-        parent_step=parent,
         world_size=plan.world,
+        rank=0,
         codec={"id": "adaptive", "version": 1, "bits": 4},
         tables=plan.table_entries(),
-        files=tuple(sorted(gathered, key=lambda f: f.path)),
-        history=(HistoryEntry(step, "full" if parent is None else "diff", 1, 0.01),),
+        head=head,
+        full_fp32_bytes=0,
+        dirty_fraction=0.01,
+        touched_fraction=0.01,
+        started=started,
+        restores=0,
     )
+    manifest = build_manifest(facts, gathered, own_rows)
     text = manifest.to_json().encode()
     store.write_atomic(store.step_path(step, MANIFEST_NAME), text)
-    return {
+    return manifest, {
         "commit_s": time.perf_counter() - started,
         "gather_s": gathered_s,
         "gathered_bytes": sum(len(d) for d in sent),
         "manifest_bytes": len(text),
-        "file_entries": len(gathered),
-        "objects_per_checkpoint": len({f.path for f in gathered}) + 1,
     }
 
 
@@ -238,48 +280,106 @@ def rank_shards(plan: Plan, rank: int) -> list[TableShard]:
     ]
 
 
-def plan_restore(store: CheckpointStore, step: int, plan: Plan, rank: int) -> dict[str, Any]:
+class CountingStore(CheckpointStore):
+    """A store that counts what a reader fetches: objects and bytes."""
+
+    objects = 0
+    bytes = 0
+
+    def read_file(self, step: int, relative: str) -> pa.Buffer:
+        data = super().read_file(step, relative)
+        self.objects += 1
+        self.bytes += data.size
+        return data
+
+    def read_head(self, step: int, relative: str, length: int) -> bytes:
+        data = super().read_head(step, relative, length)
+        self.objects += 1
+        self.bytes += len(data)
+        return data
+
+
+def plan_restore(root: str, step: int, plan: Plan, rank: int) -> dict[str, Any]:
+    store = CountingStore(root, fsync=False)
+    shards = rank_shards(plan, rank)
+    read_chain(store, step, lambda m: writer_ranks(m, shards))  # warm: imports, page cache
+    store.objects = store.bytes = 0
     started = time.perf_counter()
-    chain = read_chain(store, step)
-    reads = plan_reads(chain, rank_shards(plan, rank))
+    chain = read_chain(store, step, lambda m: writer_ranks(m, shards))
+    reads = plan_reads(chain, shards)
     seconds = time.perf_counter() - started
-    fetched = sum(os.path.getsize(store.step_path(m.step, MANIFEST_NAME)) for m in chain)
-    return {"plan_s": seconds, "bytes": fetched, "objects": len(chain), "reads": len(reads)}
+    parts = sorted({f.rank for m in chain for f in m.files if f.role == "rows"})
+    return {
+        "plan_s": seconds,
+        "bytes": store.bytes,
+        "objects": store.objects,
+        "reads": len(reads),
+        "writer_ranks": parts[:8],
+    }
 
 
 def measure(world: int, tables: int) -> dict[str, Any]:
     plan = Plan(world, tables)
+    rows = [rank_rows(plan, r) for r in range(plan.world)]  # the same each step
+    started = time.perf_counter()
+    parts = [rank_part(rows[r], r) for r in range(plan.world)]
+    part_s = (time.perf_counter() - started) / world
+    dense_entry = FileEntry(DENSE_FILE, 4_000_000, CHECKSUM, "dense", 0)
+    reports = [
+        (Reported(part, [dense_entry] if r == 0 else []), {"write": 1.0})
+        for r, (_, part) in enumerate(parts)
+    ]
     with tempfile.TemporaryDirectory() as root:
         store = CheckpointStore(root, fsync=False)
-        per_rank = [rank_entries(plan, r) for r in range(plan.world)]  # the same each step
-        commits = [
-            commit(store, plan, per_rank, step, None if step == 1 else step - 1)
-            for step in range(1, CHAIN + 1)
-        ]
-        last = commits[-1]
-        planned = plan_restore(store, CHAIN, plan, rank=world // 2)
-        resharded = plan_restore(store, CHAIN, Plan(max(1, world * 3 // 4), tables), rank=0)
+        head: Manifest | None = None
+        commits = []
+        for step in range(1, CHAIN + 1):
+            for r, (data, _) in enumerate(parts):
+                store.write_file(step, rank_file(r), data)
+            head, costs = commit(store, plan, reports, rows[0], step, head)
+            commits.append(costs)
+        full, last = commits[0], commits[-1]
+        new_world = max(1, world * 3 // 4)
+        # Each in a fresh interpreter, as a rank plans: not amid every simulated rank's objects
+        # (whose garbage-collector passes would be timed otherwise).
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            planned = pool.submit(plan_restore, root, CHAIN, plan, world // 2).result()
+            resharded = pool.submit(
+                plan_restore, root, CHAIN, Plan(new_world, tables), new_world // 2
+            ).result()
+    objects = len({e.path for r in rows for e in r}) + world + 2  # rank files, dense, manifest
     row = {
         "world_size": world,
         "tables": tables,
-        "manifest_bytes": last["manifest_bytes"],
-        "file_entries": last["file_entries"],
-        "commit_s": last["commit_s"],
+        "manifest_bytes": full["manifest_bytes"],
+        "diff_manifest_bytes": last["manifest_bytes"],
+        "file_entries": sum(len(r) for r in rows) + world + 1,
+        "rank_part_s": part_s,
+        "rank_part_bytes": max(p.bytes for _, p in parts),
+        "commit_s": max(c["commit_s"] for c in commits),
+        "full_commit_s": full["commit_s"],
+        "diff_commit_s": last["commit_s"],
         "gather_s": last["gather_s"],
         "gathered_bytes": last["gathered_bytes"],
         "metadata_bytes_per_rank_restore": planned["bytes"],
         "objects_per_rank_restore": planned["objects"],
         "plan_s_per_rank": planned["plan_s"],
-        "objects_per_checkpoint": last["objects_per_checkpoint"],
-        "reshard_to": max(1, world * 3 // 4),
+        "objects_per_checkpoint": objects,
+        "objects_per_rank": objects / world,
+        "reshard_to": new_world,
         "reshard_plan_s_per_rank": resharded["plan_s"],
         "reshard_metadata_bytes_per_rank": resharded["bytes"],
+        "reshard_objects_per_rank": resharded["objects"],
+        "reshard_writer_ranks": resharded["writer_ranks"],
     }
     print(
-        f"W={world:5} T={tables:6}: manifest {row['manifest_bytes'] / 1e6:8.1f} MB, "
-        f"{row['file_entries']} entries, commit {row['commit_s']:6.2f} s, plan "
-        f"{row['plan_s_per_rank']:6.2f} s/rank reading {planned['bytes'] / 1e6:8.1f} MB, "
-        f"{row['objects_per_checkpoint']} objects",
+        f"W={world:5} T={tables:6}: manifest {row['manifest_bytes'] / 1e6:6.2f} MB (diff "
+        f"{row['diff_manifest_bytes'] / 1e6:5.2f}), "
+        f"commit {row['commit_s']:5.2f} s, plan {row['plan_s_per_rank']:5.2f} s/rank reading "
+        f"{planned['bytes'] / 1e6:6.2f} MB in {planned['objects']} objects, reshard "
+        f"{row['reshard_plan_s_per_rank']:5.2f} s reading {resharded['bytes'] / 1e6:6.2f} MB, "
+        f"{objects} objects ({row['objects_per_rank']:.2f}/rank)",
         flush=True,
     )
     return row
@@ -289,9 +389,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="8,64,512,4096")
     parser.add_argument("--tables", default="26,1000,10000")
-    parser.add_argument("--max-entries", type=int, default=500_000, help="skip larger manifests")
+    parser.add_argument("--max-entries", type=int, default=500_000, help="skip larger plans")
     parser.add_argument("--name", default="scale", help="result file name")
+    parser.add_argument("--before", help="a result file whose results to keep as 'before'")
     args = parser.parse_args()
+    before = json.loads(Path(args.before).read_text()) if args.before else None
     results, skipped = [], []
     for world in [int(w) for w in args.worlds.split(",")]:
         for tables in [int(t) for t in args.tables.split(",")]:
@@ -300,16 +402,15 @@ def main() -> None:
                 skipped.append({"world_size": world, "tables": tables, "file_entries": entries})
                 continue
             results.append(measure(world, tables))
-    path = write_result(
-        args.name,
-        {
-            "args": vars(args),
-            "design": "one manifest per checkpoint, every file entry in it",
-            "results": results,
-            "skipped": skipped,
-        },
-    )
-    print(f"wrote {path}")
+    body: dict[str, Any] = {
+        "args": vars(args),
+        "design": "format 5: a manifest of parts, each rank's rows files indexed in its rank file",
+        "results": results,
+        "skipped": skipped,
+    }
+    if before is not None:
+        body["before"] = {"design": before.get("design"), "results": before["results"]}
+    print(f"wrote {write_result(args.name, body)}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def writer_ranks(manifest: Manifest, shards: Sequence[TableShard]) -> set[int]:
         wanted = by_table.get(table.name)
         if not wanted or not table.shards:
             continue
-        rank, row, col, rows, cols = np.asarray(table.shards, dtype=np.int64).T
+        rank, row, col, rows, cols = table.shard_array.T
         for s in wanted:
             hit = (
                 (row < s.row_offset + s.num_rows)

@@ -76,6 +76,7 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
         own = next((f for f in rank_files if f.rank == comm.rank), None)
         if own is None:
             raise CheckpointCorruptError(manifest_path, f"lists no file of rank {comm.rank}")
+        store.check_contained(head.step, [own.path], manifest_path)  # a part's rank file
         raw = store.read_checked(head.step, own.written)
         side.bytes_read += raw.size
         side.rank = dense.decode_tree(raw.to_pybytes())
@@ -125,7 +126,10 @@ def _read_rank_files(
     into: RestoreTarget, head: Manifest, side: SideState, trees: dict[int, dict[str, Any]]
 ) -> dict[int, dict[str, Any]]:
     """Every writer rank's file of ``head``, decoded, by rank (those in ``trees`` not re-read)."""
-    for entry in (f for f in head.files if f.role == "rank" and f.rank not in trees):
+    entries = [f for f in head.files if f.role == "rank" and f.rank not in trees]
+    manifest_path = into.store.step_path(head.step, MANIFEST_NAME)
+    into.store.check_contained(head.step, [f.path for f in entries], manifest_path)
+    for entry in entries:
         raw = into.store.read_checked(head.step, entry.written)
         side.bytes_read += raw.size
         trees[entry.rank] = dense.decode_tree(raw.to_pybytes())

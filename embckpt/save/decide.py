@@ -19,8 +19,9 @@ from embckpt.codecs import Codec
 from embckpt.errors import RankError, SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
 from embckpt.policy import Decision, Kind, PolicyInput
+from embckpt.save.commit_manifest import chain_bytes
 from embckpt.save.context import SaveContext
-from embckpt.save.persist import as_save_error, chain_bytes
+from embckpt.save.persist import as_save_error
 from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
 from embckpt.errors import SaveError, SaveRankError, as_error
-from embckpt.policy import Decision, Kind, assumed_chain_bytes
+from embckpt.policy import Decision
+from embckpt.save.commit_manifest import CommitFacts, Reported, build_manifest
 from embckpt.save.context import SaveContext
 from embckpt.save.copier import ThreadSink, run_copier
 from embckpt.save.cow import CowSession
@@ -30,16 +31,7 @@ from embckpt.save.transaction import SaveState, SaveTransaction
 from embckpt.save.writer import PACKED_FILE_BYTES, RowFileWriter
 from embckpt.save.writer_process import WriterProcess
 from embckpt.storage.layout import DENSE_FILE, MANIFEST_NAME, rank_file
-from embckpt.storage.manifest import (
-    PART_ROLES,
-    PARTS_VERSION,
-    FileEntry,
-    HistoryEntry,
-    Manifest,
-    PartEntry,
-    TableEntry,
-    WrittenFile,
-)
+from embckpt.storage.manifest import PART_ROLES, FileEntry, Manifest, PartEntry, WrittenFile
 from embckpt.storage.phases import PhaseClock
 from embckpt.storage.rank_parts import index_metadata, part_of
 from embckpt.storage.retention import apply_retention
@@ -286,88 +278,36 @@ class Persister:
             return exc
         return None
 
-    def _reported(self, snapshot: Snapshot) -> tuple[PartEntry | None, list[FileEntry]]:
+    def _reported(self, snapshot: Snapshot) -> Reported:
         """What this rank tells the others at the commit: its part and its files outside it
         (format 5: the dense file, on rank 0), or no part and every file it wrote."""
         if snapshot.part is None:
-            return None, snapshot.entries
-        return snapshot.part, [e for e in snapshot.entries if e.role not in PART_ROLES]
+            return Reported(None, snapshot.entries)
+        return Reported(snapshot.part, [e for e in snapshot.entries if e.role not in PART_ROLES])
 
     def _manifest(
-        self,
-        snapshot: Snapshot,
-        gathered: list[tuple[tuple[PartEntry | None, list[FileEntry]], dict[str, float]]],
+        self, snapshot: Snapshot, gathered: list[tuple[Reported, dict[str, float]]]
     ) -> Manifest:
-        """The checkpoint's manifest as every rank builds it from what the ranks reported:
-        with parts, its ``files`` hold this rank's rows files only (``Manifest.loaded``)."""
         ctx = self.ctx
-        full = snapshot.decision.kind is Kind.FULL
-        phases = [p for _, p in gathered]
-        slowest = max(range(len(phases)), key=lambda r: sum(phases[r].values()))
-        parts = tuple(part for (part, _), _ in gathered if part is not None)
-        files = [e for (_, entries), _ in gathered for e in entries]
-        loaded: frozenset[int] | None = None
-        if parts:
-            own = [e for e in snapshot.entries if e.role == "rows"]
-            files += own + [_entry(p.written, "rank", p.rank) for p in parts]
-            loaded = frozenset({ctx.comm.rank})
-        head = self.state.head
-        manifest = Manifest(
-            step=snapshot.step,
-            kind=snapshot.decision.kind.value,
-            policy=ctx.policy.name,
-            base_step=snapshot.step if full or head is None else head.base_step,
-            parent_step=None if full or head is None else _parent(head, snapshot.decision),
-            world_size=ctx.comm.world_size,
-            codec=snapshot.codec.get_config(),
-            tables=ctx.tables,
-            files=tuple(sorted(files, key=lambda f: f.path)),
-            parts=parts,
-            tables_from=None if full else _tables_from(head, ctx.tables),
-            loaded=loaded,
+        return build_manifest(
+            CommitFacts(
+                step=snapshot.step,
+                decision=snapshot.decision,
+                policy=ctx.policy.name,
+                world_size=ctx.comm.world_size,
+                rank=ctx.comm.rank,
+                codec=snapshot.codec.get_config(),
+                tables=ctx.tables,
+                head=self.state.head,
+                full_fp32_bytes=ctx.full_fp32_bytes,
+                dirty_fraction=snapshot.dirty_fraction,
+                touched_fraction=snapshot.touched_fraction,
+                started=snapshot.started,
+                restores=snapshot.restores,
+            ),
+            gathered,
+            [e for e in snapshot.entries if e.role == "rows"],
         )
-        total = manifest.total_bytes
-        entry = HistoryEntry(
-            snapshot.step, snapshot.decision.kind.value, total, snapshot.dirty_fraction
-        )
-        manifest = replace(
-            manifest,
-            history=(entry,) if full or head is None else (*head.history, entry),
-            stats={
-                "rows_written": manifest.rows_written,
-                "dirty_fraction": snapshot.dirty_fraction,
-                "touched_fraction": snapshot.touched_fraction,
-                "full_fp32_bytes": ctx.full_fp32_bytes,
-                "save_seconds": time.perf_counter() - snapshot.started,
-                "phase_seconds": phases[slowest],
-                "phase_rank": slowest,
-                "reason": snapshot.decision.reason,
-                "chain_bytes": total
-                + (0 if full or head is None else chain_bytes(head, snapshot.decision.one_shot)),
-                "restores": snapshot.restores,
-                "created_unix": time.time(),
-            },
-        )
-        twice = manifest.repeated_paths()
-        if twice:  # every rank builds the same manifest, so every rank refuses it
-            raise SaveError(
-                f"step {snapshot.step}: file {twice[0]!r} was written for two blocks: the "
-                "checkpoint could not be restored, so it is not committed"
-            )
-        return manifest
-
-
-def _tables_from(head: Manifest | None, tables: tuple[TableEntry, ...]) -> int | None:
-    """The step whose manifest lists a diff's tables, when they are those of its chain's full
-    checkpoint (a format-5 one that lists them): the full, which every restore of the diff
-    reads and retention keeps while the diff is kept."""
-    if head is None or head.format_version < PARTS_VERSION:
-        return None
-    if head.tables is not tables and head.tables != tables:
-        return None
-    if head.step == head.base_step and head.tables_from is None:
-        return head.step
-    return head.base_step if head.tables_from == head.base_step else None
 
 
 def _begin(snapshot: Snapshot) -> tuple[Any, ...]:
@@ -393,21 +333,6 @@ def as_save_error(
     if error is None:
         return None
     return as_error(SaveError, error, f"step {step}: rank {rank}: {what} failed")
-
-
-def chain_bytes(head: Manifest, one_shot: bool = False) -> int:
-    """Bytes a restore reads for a diff after ``head`` besides its own: the whole chain up to
-    ``head`` (incremental), or its full alone (``one_shot``). Manifests without the figure are
-    taken as one-shot chains (``policy.assumed_chain_bytes``)."""
-    if one_shot:
-        return head.history[0].bytes
-    known = head.stats.get("chain_bytes")
-    return known if isinstance(known, int) else assumed_chain_bytes(head.history)
-
-
-def _parent(head: Manifest, decision: Decision) -> int:
-    """One-shot diffs sit on the full checkpoint; incremental ones on the previous checkpoint."""
-    return head.base_step if decision.one_shot else head.step
 
 
 def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:

@@ -20,7 +20,7 @@ from dataclasses import replace
 from embckpt.errors import ChainIncompleteError, CheckpointCorruptError
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME, rank_file
-from embckpt.storage.manifest import FileEntry, Manifest, ids_of_bare_names
+from embckpt.storage.manifest import FileEntry, Manifest, collector_paused, ids_of_bare_names
 from embckpt.storage.rank_parts import check_header, parse_index
 
 Select = Callable[[Manifest], Collection[int] | None]
@@ -90,16 +90,19 @@ def load_parts(
         check_header(header, part, path)
         return parse_index(header, part, path)
 
-    if len(todo) == 1:
-        found = [index_of(todo[0])]
-    else:  # one ranked read each: an object store answers them in parallel
-        with ThreadPoolExecutor(min(PART_READERS, len(todo))) as pool:
-            found = list(pool.map(index_of, todo))
+    with collector_paused():
+        if len(todo) == 1:
+            found = [index_of(todo[0])]
+        else:  # one ranged read each: an object store answers them in parallel
+            with ThreadPoolExecutor(min(PART_READERS, len(todo))) as pool:
+                found = list(pool.map(index_of, todo))
     added = tuple(e for entries in found for e in entries)
     path = store.step_path(manifest.step, MANIFEST_NAME)
-    store.check_contained(manifest.step, list(dict.fromkeys(e.path for e in added)), path)
+    paths = [rank_file(r) for r in todo] + list(dict.fromkeys(e.path for e in added))
+    store.check_contained(manifest.step, paths, path)
     loaded = replace(manifest, files=manifest.files + added, loaded=manifest.loaded | set(todo))
-    twice = loaded.repeated_paths()
+    with collector_paused():
+        twice = loaded.repeated_paths()
     if twice:
         raise CheckpointCorruptError(
             path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
@@ -137,8 +140,11 @@ def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manif
     manifest = Manifest.from_json(text, path)
     if manifest.step != step:
         raise CheckpointCorruptError(path, f"manifest says step {manifest.step}, folder {step}")
-    # Each path once: the blocks of a packed file share one.
-    store.check_contained(step, list(dict.fromkeys(f.path for f in manifest.files)), path)
+    # Each path once: the blocks of a packed file share one. Parts' rank files are checked
+    # when their index is read (``load_parts``) or the file itself (side state).
+    ranks = {p.rank for p in manifest.parts}
+    listed = (f.path for f in manifest.files if not (f.role == "rank" and f.rank in ranks))
+    store.check_contained(step, list(dict.fromkeys(listed)), path)
     return manifest
 
 

@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
+from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from embckpt.storage.layout import rank_file
 
@@ -148,7 +151,16 @@ class TableEntry:
     sharding_type: str
     row_states: tuple[str, ...] = ()
     elem_states: tuple[str, ...] = ()
-    shards: tuple[tuple[int, int, int, int, int], ...] = ()  # (rank, row_off, col_off, rows, cols)
+    shards: Sequence[tuple[int, int, int, int, int]] = ()  # (rank, row_off, col_off, rows, cols)
+
+    @cached_property
+    def shard_array(self) -> np.ndarray:
+        """``shards`` as an int64 array (blocks x 5), built once: planners test thousands of
+        blocks at once."""
+        array = getattr(self.shards, "array", None)  # a manifest's runs (table_columns.py)
+        if array is not None:
+            return np.asarray(array(), dtype=np.int64)
+        return np.asarray(self.shards, dtype=np.int64).reshape(-1, 5)
 
 
 @dataclass(frozen=True)
@@ -234,7 +246,7 @@ def plain(value: Any) -> Any:
         if names is None:
             names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(value))
         return {name: plain(getattr(value, name)) for name in names}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, str):  # tuples, a table's runs
         return [plain(v) for v in value]
     if isinstance(value, Mapping):
         return {k: plain(v) for k, v in value.items()}

@@ -11,8 +11,10 @@ blocks in the same order. The columns spell each key once, not once per table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import numpy as np
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.manifest_types import TableEntry
@@ -40,6 +42,65 @@ def to_runs(shards: Sequence[Shard]) -> list[list[Any]]:
     return runs
 
 
+class ShardRuns(Sequence[Shard]):
+    """A table's blocks kept as their runs, expanded into tuples only when listed: a reader
+    of a 4,096-rank manifest needs the blocks of the few tables it holds, as arrays."""
+
+    def __init__(self, runs: Sequence[Sequence[Any]]) -> None:
+        self.runs = [list(r) for r in runs]
+        self._shards: tuple[Shard, ...] | None = None
+
+    def _expanded(self) -> tuple[Shard, ...]:
+        if self._shards is None:
+            self._shards = from_runs(self.runs)
+        return self._shards
+
+    def __len__(self) -> int:
+        return sum(int(r[5]) for r in self.runs)
+
+    @overload
+    def __getitem__(self, index: int) -> Shard: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Shard]: ...
+
+    def __getitem__(self, index: int | slice) -> Shard | Sequence[Shard]:
+        return self._expanded()[index]
+
+    def __iter__(self) -> Iterator[Shard]:
+        return iter(self._expanded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardRuns):
+            return self.runs == other.runs
+        if isinstance(other, Sequence):
+            return self._expanded() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._expanded())
+
+    def __repr__(self) -> str:
+        return f"ShardRuns({self.runs!r})"
+
+    def array(self) -> np.ndarray:
+        """The blocks as an int64 array (blocks x 5), built from the runs without tuples."""
+        if not self.runs:
+            return np.zeros((0, 5), dtype=np.int64)
+        runs = np.asarray([r[:6] for r in self.runs], dtype=np.int64)
+        along_cols = np.asarray([r[6] == "c" for r in self.runs])
+        counts = runs[:, 5]
+        run = np.repeat(np.arange(len(runs)), counts)
+        i = np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
+        out = runs[run, :5].copy()
+        out[:, 0] += i
+        step_rows = np.where(along_cols, 0, runs[:, 3])[run]
+        step_cols = np.where(along_cols, runs[:, 4], 0)[run]
+        out[:, 1] += i * step_rows
+        out[:, 2] += i * step_cols
+        return out
+
+
 def from_runs(runs: Sequence[Sequence[Any]]) -> tuple[Shard, ...]:
     """The blocks ``runs`` stand for, in order (inverse of :func:`to_runs`)."""
     shards: list[Shard] = []
@@ -57,7 +118,9 @@ _COLUMNS = ("name", "rows", "cols", "dtype", "sharding_type", "row_states", "ele
 def tables_to_columns(tables: Sequence[TableEntry]) -> dict[str, list[Any]]:
     """The table list as columns; ``shard_runs`` holds each table's blocks as runs."""
     columns: dict[str, list[Any]] = {key: [getattr(t, key) for t in tables] for key in _COLUMNS}
-    columns["shard_runs"] = [to_runs(t.shards) for t in tables]
+    columns["shard_runs"] = [
+        t.shards.runs if isinstance(t.shards, ShardRuns) else to_runs(t.shards) for t in tables
+    ]
     return columns
 
 
@@ -80,7 +143,7 @@ def tables_from_columns(columns: Mapping[str, Sequence[Any]], path: str) -> tupl
                 sharding_type=sharding,
                 row_states=tuple(row_states),
                 elem_states=tuple(elem_states),
-                shards=from_runs(runs),
+                shards=ShardRuns(runs),
             )
             for name, rows, cols, dtype, sharding, row_states, elem_states, runs in zip(
                 *(columns[key] for key in (*_COLUMNS, "shard_runs")), strict=True
