@@ -27,6 +27,8 @@ What runs is the project's own code; what is simulated is said:
   ``objects_per_rank_restore`` count every read it made (manifests, parts' headers). Not
   included: the model checks (``check_model_matches``), which need a model;
 * **resharding** W -> 3W/4 (4,096 -> 3,072): the same for a rank of the new world size;
+  ``reshard_side_state_bytes_per_rank`` adds what its side state reads: every writer's rank
+  file, whole (their statefuls are compared; not timed here);
 * ``objects_per_checkpoint``: distinct files plus the manifest.
 
 Configurations whose file entries would exceed ``--max-entries`` are skipped (say so in
@@ -42,9 +44,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import multiprocessing
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -96,6 +100,7 @@ RANK_STATE = {"rng": torch.zeros(5056, dtype=torch.uint8), "data": {"position": 
 """A rank file's state besides its index: the CPU RNG's state and a data position."""
 CHECKSUM = "crc32c:00000000"
 CHAIN = 6
+PLAN_RUNS = 3
 
 
 def large_count(tables: int) -> int:
@@ -300,17 +305,23 @@ class CountingStore(CheckpointStore):
 
 
 def plan_restore(root: str, step: int, plan: Plan, rank: int) -> dict[str, Any]:
+    """One rank's restore plan of the chain ending at ``step``, read and timed ``PLAN_RUNS``
+    times after one untimed read (imports, page cache); the median is reported, and the
+    slowest."""
     store = CountingStore(root, fsync=False)
     shards = rank_shards(plan, rank)
-    read_chain(store, step, lambda m: writer_ranks(m, shards))  # warm: imports, page cache
-    store.objects = store.bytes = 0
-    started = time.perf_counter()
-    chain = read_chain(store, step, lambda m: writer_ranks(m, shards))
-    reads = plan_reads(chain, shards)
-    seconds = time.perf_counter() - started
+    read_chain(store, step, lambda m: writer_ranks(m, shards))
+    seconds = []
+    for _ in range(PLAN_RUNS):
+        store.objects = store.bytes = 0
+        started = time.perf_counter()
+        chain = read_chain(store, step, lambda m: writer_ranks(m, shards))
+        reads = plan_reads(chain, shards)
+        seconds.append(time.perf_counter() - started)
     parts = sorted({f.rank for m in chain for f in m.files if f.role == "rows"})
     return {
-        "plan_s": seconds,
+        "plan_s": statistics.median(seconds),
+        "plan_s_max": max(seconds),
         "bytes": store.bytes,
         "objects": store.objects,
         "reads": len(reads),
@@ -324,6 +335,9 @@ def measure(world: int, tables: int) -> dict[str, Any]:
     started = time.perf_counter()
     parts = [rank_part(rows[r], r) for r in range(plan.world)]
     part_s = (time.perf_counter() - started) / world
+    # Every simulated rank's entries stay out of the collector's passes: a real rank 0 does
+    # not hold the others' files, and the commit timed below would pay for walking them.
+    gc.freeze()
     dense_entry = FileEntry(DENSE_FILE, 4_000_000, CHECKSUM, "dense", 0)
     reports = [
         (Reported(part, [dense_entry] if r == 0 else []), {"write": 1.0})
@@ -348,6 +362,7 @@ def measure(world: int, tables: int) -> dict[str, Any]:
             resharded = pool.submit(
                 plan_restore, root, CHAIN, Plan(new_world, tables), new_world // 2
             ).result()
+    gc.unfreeze()
     objects = len({e.path for r in rows for e in r}) + world + 2  # rank files, dense, manifest
     row = {
         "world_size": world,
@@ -365,6 +380,7 @@ def measure(world: int, tables: int) -> dict[str, Any]:
         "metadata_bytes_per_rank_restore": planned["bytes"],
         "objects_per_rank_restore": planned["objects"],
         "plan_s_per_rank": planned["plan_s"],
+        "plan_s_per_rank_max": planned["plan_s_max"],
         "objects_per_checkpoint": objects,
         "objects_per_rank": objects / world,
         "reshard_to": new_world,
@@ -372,6 +388,9 @@ def measure(world: int, tables: int) -> dict[str, Any]:
         "reshard_metadata_bytes_per_rank": resharded["bytes"],
         "reshard_objects_per_rank": resharded["objects"],
         "reshard_writer_ranks": resharded["writer_ranks"],
+        # Onto another world size, each rank also reads every writer's rank file whole for
+        # the statefuls and RNG (read/side_state.py): not planning, but metadata-sized reads.
+        "reshard_side_state_bytes_per_rank": sum(p.bytes for _, p in parts),
     }
     print(
         f"W={world:5} T={tables:6}: manifest {row['manifest_bytes'] / 1e6:6.2f} MB (diff "

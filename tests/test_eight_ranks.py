@@ -5,6 +5,7 @@ failure on one rank during a commit that every rank agrees on (issue 40)."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,9 @@ import toy_model as tm
 from shard_compare import assemble, blocks, compare
 
 from embckpt.examples.launcher import run_ranks
+from embckpt.storage.chain import read_manifest
+from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.layout import MANIFEST_NAME
 
 KINDS = ("tw", "rw", "twrw", "dp")  # column-wise needs more columns than 8 ranks share
 STEPS = (2, 4, 6)  # full, diff, diff (incremental)
@@ -110,6 +114,17 @@ def test_eight_ranks_save_restore_reshard_and_agree_on_a_failed_commit() -> None
             "SaveError" if r == 5 else "SaveRankError" for r in range(8)
         ]
         assert all(w["committed"] == list(STEPS) for w in written)
+        # Objects per checkpoint: at most 2 per rank (its rank file, which indexes its rows,
+        # and one packed rows file: its blocks share one layout) plus the manifest, the dense
+        # file and rank 0's data-parallel table (a layout of its own: no fused state).
+        store = CheckpointStore(root)
+        for step in STEPS:
+            files = {f.path for f in read_manifest(store, step).files}
+            folder = Path(store.step_path(step))
+            assert {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} == (
+                files | {MANIFEST_NAME}
+            )
+            assert len(files) + 1 <= 2 * 8 + 3, (step, sorted(files))
 
         same = run_ranks(_restore, 8, root, True, timeout_s=900)
         for rank, r in enumerate(same):
