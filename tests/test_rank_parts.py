@@ -178,6 +178,9 @@ def test_a_diff_without_its_full_is_incomplete(run_copy: Path) -> None:
     with pytest.raises(ChainIncompleteError, match="step_000000000005"):
         read_manifest(CheckpointStore(directory), 10)
     assert read_root(CheckpointStore(directory), 10).tables == ()
+    report = verify(CheckpointStore(directory))  # reports the diffs, does not raise
+    assert not report.ok
+    assert any("step_000000000005" in path for path, _ in report.problems), report.problems
 
 
 def test_format_4_checkpoints_still_restore(run_copy: Path) -> None:

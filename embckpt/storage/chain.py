@@ -164,7 +164,7 @@ def load_manifests(
     for step, root in roots.items():
         try:
             manifests[step] = _with_tables(store, root, roots)
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, ChainIncompleteError) as exc:
             problems.append((exc.path, exc.reason))
             continue
         for part in root.parts if parts else ():  # one by one: a bad part spoils no other
