@@ -27,8 +27,9 @@ What runs is the project's own code; what is simulated is said:
   ``objects_per_rank_restore`` count every read it made (manifests, parts' headers). Not
   included: the model checks (``check_model_matches``), which need a model;
 * **resharding** W -> 3W/4 (4,096 -> 3,072): the same for a rank of the new world size;
-  ``reshard_side_state_bytes_per_rank`` adds what its side state reads: every writer's rank
-  file, whole (their statefuls are compared; not timed here);
+  ``reshard_side_state_bytes_per_rank`` is what the side state reads besides: every writer's
+  rank file, whole (their statefuls are compared; not timed here), on rank 0 (on every rank
+  for a model with managed-collision tables);
 * ``objects_per_checkpoint``: distinct files plus the manifest.
 
 Configurations whose file entries would exceed ``--max-entries`` are skipped (say so in
@@ -388,8 +389,9 @@ def measure(world: int, tables: int) -> dict[str, Any]:
         "reshard_metadata_bytes_per_rank": resharded["bytes"],
         "reshard_objects_per_rank": resharded["objects"],
         "reshard_writer_ranks": resharded["writer_ranks"],
-        # Onto another world size, each rank also reads every writer's rank file whole for
-        # the statefuls and RNG (read/side_state.py): not planning, but metadata-sized reads.
+        # Onto another world size, rank 0 also reads every writer's rank file whole for the
+        # statefuls (read/side_state.py; every rank does on a model with managed-collision
+        # tables): not planning, but metadata-sized reads.
         "reshard_side_state_bytes_per_rank": sum(p.bytes for _, p in parts),
     }
     print(

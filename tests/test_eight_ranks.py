@@ -96,6 +96,7 @@ def _restore(rank: int, world_size: int, root: str, same_plan: bool) -> dict[str
             "chain": result.chain,
             "parts": sorted(result.manifest.loaded or ()),
             "skipped": result.skipped,
+            "side_bytes": result.cost.other_bytes,
             "blocks": blocks(model, opt, rank),
         }
         if same_plan:
@@ -136,8 +137,15 @@ def test_eight_ranks_save_restore_reshard_and_agree_on_a_failed_commit() -> None
 
         truth = assemble([w["at_save"] for w in written])
         dense_truth = written[0]["at_save"]["dense"]
+        head = read_manifest(store, STEPS[-1])
+        dense_bytes = sum(f.bytes for f in head.files if f.role == "dense")
+        rank_bytes = sum(f.bytes for f in head.files if f.role == "rank")
         for world_size in (3, 5):
             onto = run_ranks(_restore, world_size, root, False, timeout_s=900)
+            # Onto another world size, rank 0 alone reads every writer's rank file (statefuls).
+            assert [r["side_bytes"] for r in onto] == [dense_bytes + rank_bytes] + [dense_bytes] * (
+                world_size - 1
+            ), world_size
             restored = [r["blocks"] for r in onto]
             assert compare(truth, restored, dense_truth) == [], world_size
             for r in onto:

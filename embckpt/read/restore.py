@@ -61,7 +61,12 @@ from embckpt.errors import (
 from embckpt.read.apply import apply_staged
 from embckpt.read.heap import trim_heap
 from embckpt.read.plan import plan_reads, writer_ranks
-from embckpt.read.side_state import SideState, apply_side_state, read_side_state
+from embckpt.read.side_state import (
+    SideState,
+    apply_side_state,
+    read_side_state,
+    share_side_state,
+)
 from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
@@ -249,12 +254,13 @@ def restore_checkpoint(
         error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
     try:
         comm.check(error, what, RestoreRankError)
+        assert side is not None  # read above, or every rank raised
+        share_side_state(into, side)
     except BaseException:
         release([file for files in staged for file in files])
         raise
     stage_seconds = time.perf_counter() - started
 
-    assert side is not None  # read above, or every rank raised
     # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
     # on failure; the rows, verified and matched already, are applied last. A failure while
     # applying them (after every byte verified: a bug, or memory) leaves the model partly

@@ -50,6 +50,7 @@ class SideState:
     mch: list[MchLoad] = field(default_factory=list)
     dense_path: str = ""
     bytes_read: int = 0  # of the dense and per-rank files
+    from_rank0: bool = False  # other world size: statefuls decided by rank 0 (share_side_state)
 
 
 def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
@@ -93,6 +94,9 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
     side.skipped.append(
         f"RNG streams: written by {head.world_size} ranks, restoring onto {comm.world_size}"
     )
+    if not into.sharded.mch and comm.rank != 0:
+        side.from_rank0 = True  # rank 0 reads every writer's file; share_side_state sends
+        return side
     trees = _read_rank_files(into, head, side, {})
     states = [trees[rank]["statefuls"] for rank in sorted(trees)]
     _note_unused(side, into, {name for s in states for name in s})
@@ -110,6 +114,21 @@ def read_side_state(into: RestoreTarget, head: Manifest) -> SideState:
             side.statefuls[name] = saved_states[0]
     _plan_mch(into, head, side, trees)
     return side
+
+
+def share_side_state(into: RestoreTarget, side: SideState) -> None:
+    """Onto another world size, without managed-collision tables (whose rows every rank needs
+    from every writer), only rank 0 reads every writer's rank file, and sends the statefuls it
+    restores and what it skipped (collective; call once every rank read its side state): a rank
+    then reads one file of metadata size, not one per writer rank (288 MB at 4,096 ranks,
+    ``benchmarks/scale.py``)."""
+    if into.sharded.mch or side.rank is not None:
+        return
+    shared = (side.statefuls, side.skipped, side.unused_statefuls)  # rank 0's is sent
+    statefuls, skipped, unused = into.comm.broadcast(shared)
+    if side.from_rank0:
+        side.statefuls, side.skipped, side.unused_statefuls = statefuls, skipped, unused
+        side.from_rank0 = False
 
 
 def _note_unused(side: SideState, into: RestoreTarget, saved: set[str]) -> None:
