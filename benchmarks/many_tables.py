@@ -57,9 +57,13 @@ def _config(tables: int, rows: int, dim: int) -> DemoConfig:
     return DemoConfig(workload=workload, checkpoint=CheckpointConfig(), world_size=WORLD)
 
 
-def _files_per_rank(manifest: Any) -> dict[int, int]:
+def _files_per_rank(ckpt: Any, manifest: Any) -> dict[int, int]:
+    """Files each rank wrote, from every rank's part (a save's manifest lists this rank's rows
+    files only)."""
+    from embckpt.storage.chain import read_manifest
+
     paths: dict[int, set[str]] = {}
-    for entry in manifest.files:
+    for entry in read_manifest(ckpt.store, manifest.step).files:
         paths.setdefault(entry.rank, set()).add(entry.path)
     return {rank: len(p) for rank, p in sorted(paths.items())}
 
@@ -127,7 +131,7 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         for name in SAVES[turn % 3 :] + SAVES[: turn % 3]:
             manifest = timed(name, saves[name])
             if name != "dcp_save":
-                files[f"{name}_full"] = _files_per_rank(manifest)
+                files[f"{name}_full"] = _files_per_rank(checkpointers[name], manifest)
         files["dcp_save"] = _dcp_files_per_rank(dcp_dir)
     for ckpt in checkpointers.values():
         ckpt.close()
@@ -145,8 +149,8 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
                 step += 2
                 diff = ckpt.save(step).wait()
                 assert full is not None and diff is not None and diff.kind == "diff"
-                files[f"{codec}_{packing}_full"] = _files_per_rank(full)
-                files[f"{codec}_{packing}_diff"] = _files_per_rank(diff)
+                files[f"{codec}_{packing}_full"] = _files_per_rank(ckpt, full)
+                files[f"{codec}_{packing}_diff"] = _files_per_rank(ckpt, diff)
     return {"seconds": seconds, "files": files}
 
 

@@ -147,6 +147,7 @@ def _run(
     import torch.distributed as dist
 
     from embckpt import Checkpointer
+    from embckpt.storage.chain import read_manifest
     from embckpt.storage.layout import step_dir_name
     from embckpt.storage.manifest import files_bytes
 
@@ -166,8 +167,10 @@ def _run(
             assert manifest is not None
             dist.barrier()
             step_dir = directory / step_dir_name(step)
-            # Each file once: the blocks of a packed rows file share it.
-            rows_bytes = files_bytes(f for f in manifest.files if f.role == "rows")
+            # Each file once: the blocks of a packed rows file share it. Every rank's files:
+            # a save's manifest lists this rank's rows files only (format 5).
+            whole = read_manifest(ckpt.store, step)
+            rows_bytes = files_bytes(f for f in whole.files if f.role == "rows")
             records.append(
                 {
                     "step": step,
