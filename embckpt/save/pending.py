@@ -14,9 +14,9 @@ class PendingCheckpoint:
     """A save in progress. ``wait()`` returns its manifest or raises
     the error that stopped it (the manifest as this rank built it: its ``files`` list this
     rank's rows files and every rank's rank file; ``storage.chain.read_manifest`` reads every
-    rank's, ``Manifest.complete`` says which); ``blocked_s`` is how long ``save`` held the training thread;
-    ``copied_s``, once known, how long after ``save()`` was called every row it writes was
-    copied off the model (the copy-on-write window closed; None until then).
+    rank's, ``Manifest.complete`` says which); ``blocked_s`` is how long ``save`` held the
+    training thread; ``copied_s``, once known, how long after ``save()`` was called every row
+    it writes was copied off the model (the copy-on-write window closed; None until then).
 
     Call ``wait()`` from the training thread: it also applies the save's outcome."""
 
