@@ -183,6 +183,28 @@ def test_a_diff_without_its_full_is_incomplete(run_copy: Path) -> None:
     assert any("step_000000000005" in path for path, _ in report.problems), report.problems
 
 
+def test_a_diff_keeps_its_tables_when_a_merge_and_retention_remove_its_full(
+    run_copy: Path,
+) -> None:
+    """Step 15 names step 5 as the manifest listing its tables; step 10 merged into a full
+    makes step 5 unneeded, and retention deletes it: 15 still reads, from 10's tables."""
+    from embckpt.read.merge import merge
+    from embckpt.storage.retention import apply_retention
+
+    directory = run_copy / "incremental"
+    store = CheckpointStore(directory)
+    before = reconstruct(directory, 15)
+    assert _body(directory, 15)["tables_from"] == 5
+    merge(store, 10)
+    assert apply_retention(store, keep_last=2) == [5]
+    assert read_manifest(store, 15).tables == read_manifest(store, 10).tables != ()
+    after = reconstruct(directory, 15)
+    assert after.chain == (10, 15)
+    for key, value in before.tables.items():
+        assert torch.equal(after.tables[key], value), key
+    assert verify(store).ok
+
+
 def test_format_4_checkpoints_still_restore(run_copy: Path) -> None:
     """A chain rewritten as format 4 wrote it (every file in the manifest, tables as a list)
     reads as the same checkpoint."""

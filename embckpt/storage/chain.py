@@ -113,17 +113,24 @@ def load_parts(
 def _with_tables(
     store: CheckpointStore, manifest: Manifest, known: Mapping[int, Manifest]
 ) -> Manifest:
-    """``manifest`` with its tables, from the manifest that lists them (``known`` or read)."""
-    source_step = manifest.tables_from
-    if source_step is None:
-        return manifest
-    source = known.get(source_step) or read_root(store, source_step)
-    if source.tables_from is not None or source_step >= manifest.step:
-        raise CheckpointCorruptError(
-            store.step_path(manifest.step, MANIFEST_NAME),
-            f"its tables are those of step {source_step}, which does not list them",
-        )
-    return replace(manifest, tables=source.tables)
+    """``manifest`` with its tables: a format-5 diff that does not list them has those of the
+    nearest older link of its chain that does (its full when written, ``tables_from``; after a
+    merge turned a link into a full, that one), from ``known`` or read.
+
+    Raises:
+        ChainIncompleteError: a link on the way is not committed.
+        CheckpointCorruptError: no older link lists them.
+    """
+    source = manifest
+    while source.tables_from is not None:
+        parent = source.parent_step
+        if parent is None or parent >= source.step:
+            raise CheckpointCorruptError(
+                store.step_path(manifest.step, MANIFEST_NAME),
+                f"its tables are those of an older link, and step {source.step} has none",
+            )
+        source = known.get(parent) or read_root(store, parent)
+    return manifest if source is manifest else replace(manifest, tables=source.tables)
 
 
 def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manifest:

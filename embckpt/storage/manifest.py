@@ -91,7 +91,8 @@ class Manifest:
     """Format 5: one per writing rank, whose rank file indexes its rows files (empty: every
     file is listed here)."""
     tables_from: int | None = None
-    """Format 5: the step whose manifest lists this one's tables (the same), or None."""
+    """Format 5: the step whose manifest listed this one's tables when it was written (its
+    chain's full), or None; readers take them from the nearest older link that lists them."""
     loaded: frozenset[int] | None = None
     """The ranks whose parts ``files`` holds the rows files of (None: every rank's): a restore
     reads the parts of the ranks whose blocks overlap its own, and only those."""
