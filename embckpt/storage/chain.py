@@ -114,12 +114,13 @@ def _with_tables(
     store: CheckpointStore, manifest: Manifest, known: Mapping[int, Manifest]
 ) -> Manifest:
     """``manifest`` with its tables: a format-5 diff that does not list them has those of the
-    nearest older link of its chain that does (its full when written, ``tables_from``; after a
-    merge turned a link into a full, that one), from ``known`` or read.
+    nearest older link of its chain that does (its full when written; after a merge turned a
+    later link into a full, that one), from ``known`` or read. Where a link on the way is
+    missing or damaged, the step ``tables_from`` names lists them (verify still reports it).
 
     Raises:
-        ChainIncompleteError: a link on the way is not committed.
-        CheckpointCorruptError: no older link lists them.
+        ChainIncompleteError: a needed manifest is not committed.
+        CheckpointCorruptError: no manifest lists them.
     """
     source = manifest
     while source.tables_from is not None:
@@ -129,8 +130,26 @@ def _with_tables(
                 store.step_path(manifest.step, MANIFEST_NAME),
                 f"its tables are those of an older link, and step {source.step} has none",
             )
-        source = known.get(parent) or read_root(store, parent)
+        try:
+            source = known.get(parent) or read_root(store, parent)
+        except (ChainIncompleteError, CheckpointCorruptError):
+            source = _named_source(store, manifest, known)
+            break
     return manifest if source is manifest else replace(manifest, tables=source.tables)
+
+
+def _named_source(
+    store: CheckpointStore, manifest: Manifest, known: Mapping[int, Manifest]
+) -> Manifest:
+    """The manifest ``manifest.tables_from`` names, which must list tables."""
+    assert manifest.tables_from is not None
+    source = known.get(manifest.tables_from) or read_root(store, manifest.tables_from)
+    if source.tables_from is not None or source.step >= manifest.step:
+        raise CheckpointCorruptError(
+            store.step_path(manifest.step, MANIFEST_NAME),
+            f"its tables are those of step {source.step}, which does not list them",
+        )
+    return source
 
 
 def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manifest:
