@@ -1,6 +1,6 @@
 """What a restore is compared against: every block a rank holds, the writer's whole tables
-assembled from its ranks' blocks, and where a restored block differs (test_reshard.py,
-test_eight_ranks.py)."""
+assembled from its ranks' blocks, a rank's whole state as numpy, and where they differ
+(test_reshard.py, test_eight_ranks.py, test_packed.py)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,16 @@ def compare(truth: dict, per_rank: list[dict], dense_truth: dict) -> list[str]:
             if not np.array_equal(out["dense"].get(key), value):
                 problems.append(f"rank {rank}: dense {key}")
     return problems
+
+
+def state_numpy(model: Any, opt: Any, rank: int) -> dict[str, np.ndarray]:
+    """The rank's whole state (``tm.snapshot_state``) as numpy: tensors do not cross the
+    launcher's process boundaries."""
+    return {k: v.numpy().copy() for k, v in tm.snapshot_state(model, opt, rank).items()}
+
+
+def differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    """The keys whose arrays differ, or that one side lacks."""
+    return sorted(
+        k for k in set(a) | set(b) if k not in a or k not in b or not np.array_equal(a[k], b[k])
+    )

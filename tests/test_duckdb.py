@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import toy_model as tm
-from test_reshard import assemble, blocks
+from shard_compare import assemble, blocks
 
 from embckpt.examples.launcher import run_ranks
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import toy_model as tm
-from shard_compare import assemble, blocks, compare
+from shard_compare import assemble, blocks, compare, differences, state_numpy
 
 from embckpt.examples.launcher import run_ranks
 from embckpt.storage.chain import read_manifest
@@ -42,9 +42,9 @@ def _save(rank: int, world_size: int, root: str) -> dict[str, Any]:
             if step in STEPS:
                 ckpt.save(step).wait()
         out["at_save"] = blocks(model, opt, rank)
-        out["state"] = _state(model, opt, rank)
+        out["state"] = state_numpy(model, opt, rank)
         tm.train_step(model, opt, STEPS[-1] + 1, rank, kinds=KINDS, hot=HOT)
-        out["continued"] = _state(model, opt, rank)
+        out["continued"] = state_numpy(model, opt, rank)
         if rank == 5:
             failpoints.arm("save.agree")  # after its files, before the ranks agree
         try:
@@ -56,16 +56,6 @@ def _save(rank: int, world_size: int, root: str) -> dict[str, Any]:
             failpoints.disarm()
         out["committed"] = ckpt.store.committed_steps()
     return out
-
-
-def _state(model: Any, opt: Any, rank: int) -> dict[str, np.ndarray]:
-    return {k: v.numpy().copy() for k, v in tm.snapshot_state(model, opt, rank).items()}
-
-
-def _differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
-    return sorted(
-        k for k in set(a) | set(b) if k not in a or k not in b or not np.array_equal(a[k], b[k])
-    )
 
 
 def _continues_alike(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rank: int) -> None:
@@ -100,9 +90,9 @@ def _restore(rank: int, world_size: int, root: str, same_plan: bool) -> dict[str
             "blocks": blocks(model, opt, rank),
         }
         if same_plan:
-            out["state"] = _state(model, opt, rank)
+            out["state"] = state_numpy(model, opt, rank)
             tm.train_step(model, opt, STEPS[-1] + 1, rank, kinds=KINDS, hot=HOT)
-            out["continued"] = _state(model, opt, rank)
+            out["continued"] = state_numpy(model, opt, rank)
     return out
 
 
@@ -132,7 +122,7 @@ def test_eight_ranks_save_restore_reshard_and_agree_on_a_failed_commit() -> None
             assert (r["step"], r["chain"]) == (STEPS[-1], STEPS), rank
             # Its own part, and rank 0's (the writer of the data-parallel table): no other.
             assert r["parts"] == sorted({0, rank}), (rank, r["parts"])
-            assert _differences(written[rank]["state"], r["state"]) == [], rank
+            assert differences(written[rank]["state"], r["state"]) == [], rank
             _continues_alike(written[rank]["continued"], r["continued"], rank)
 
         truth = assemble([w["at_save"] for w in written])

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import toy_model as tm
-from test_reshard import NAMES, PLAN_2, assemble, blocks, build_planned
+from shard_compare import assemble, blocks
+from test_reshard import NAMES, PLAN_2, build_planned
 
 from embckpt.cli import main
 from embckpt.examples.launcher import run_ranks

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import toy_model as tm
-from test_reshard import assemble, blocks
+from shard_compare import assemble, blocks, differences, state_numpy
 
 from embckpt.examples.launcher import run_ranks
 
@@ -51,19 +51,8 @@ def _write(rank: int, world_size: int, root: str, codec: str) -> dict:
                     out["at_8"] = blocks(model, opt, rank)
         out["at_save"] = blocks(model, opt, rank)
         tm.train_step(model, opt, STEPS[-1] + 1, rank, hot=HOT)
-        out["continued"] = _state(model, opt, rank)
+        out["continued"] = state_numpy(model, opt, rank)
     return out
-
-
-def _state(model: Any, opt: Any, rank: int) -> dict[str, np.ndarray]:
-    """The rank's whole state as numpy (tensors do not cross process boundaries here)."""
-    return {k: v.numpy().copy() for k, v in tm.snapshot_state(model, opt, rank).items()}
-
-
-def _differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
-    return sorted(
-        k for k in set(a) | set(b) if k not in a or k not in b or not np.array_equal(a[k], b[k])
-    )
 
 
 def _restore(rank: int, world_size: int, root: str, step: int) -> dict:
@@ -75,7 +64,7 @@ def _restore(rank: int, world_size: int, root: str, step: int) -> dict:
         assert result == step, result
         out: dict[str, Any] = {"restored": blocks(model, opt, rank)}
         tm.train_step(model, opt, STEPS[-1] + 1, rank, hot=HOT)
-        out["continued"] = _state(model, opt, rank)
+        out["continued"] = state_numpy(model, opt, rank)
     return out
 
 
@@ -135,7 +124,7 @@ def test_packed_chain_restores_exactly_and_continues_bit_for_bit(
             np.testing.assert_array_equal(a["weight"], b["weight"], err_msg=a["table"])
             for name in b["row_states"]:
                 np.testing.assert_array_equal(a["row_states"][name], b["row_states"][name])
-        assert _differences(restored[rank]["continued"], written[rank]["continued"]) == []
+        assert differences(restored[rank]["continued"], written[rank]["continued"]) == []
 
 
 def test_packed_chain_restores_onto_one_rank(packed_run: tuple[Path, list[dict]]) -> None:

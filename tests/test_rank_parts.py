@@ -26,8 +26,9 @@ from embckpt.storage.checksum import checksum
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME, rank_file
 from embckpt.storage.manifest import FileEntry, Manifest
+from embckpt.storage.manifest_types import ShardRuns, from_runs
 from embckpt.storage.rank_parts import header_span, index_metadata
-from embckpt.storage.table_columns import ShardRuns, from_runs, to_runs
+from embckpt.storage.table_columns import to_runs
 from embckpt.storage.verify import verify
 
 STEPS = (5, 10, 15)

@@ -70,7 +70,7 @@ def build_manifest(
     files = [e for r, _ in gathered for e in r.files]
     loaded: frozenset[int] | None = None
     if parts:
-        files += [*own_rows, *(FileEntry(*_written(p), "rank", p.rank) for p in parts)]
+        files += [*own_rows, *(p.rank_entry for p in parts)]
         loaded = frozenset({facts.rank})
     manifest = Manifest(
         step=facts.step,
@@ -123,11 +123,6 @@ def chain_bytes(head: Manifest, one_shot: bool = False) -> int:
         return head.history[0].bytes
     known = head.stats.get("chain_bytes")
     return known if isinstance(known, int) else assumed_chain_bytes(head.history)
-
-
-def _written(part: PartEntry) -> tuple[str, int, str]:
-    written = part.written
-    return written.path, written.bytes, written.checksum
 
 
 def _parent(head: Manifest, decision: Decision) -> int:

@@ -193,7 +193,14 @@ def load_manifests(
         except (CheckpointCorruptError, ChainIncompleteError) as exc:
             problems.append((exc.path, exc.reason))
             continue
-        for part in root.parts if parts else ():  # one by one: a bad part spoils no other
+        if not parts or not root.parts:
+            continue
+        try:  # every part at once; one by one only to tell the bad ones from the good
+            manifests[step] = load_parts(store, manifests[step])
+            continue
+        except CheckpointCorruptError:
+            pass
+        for part in root.parts:
             try:
                 manifests[step] = load_parts(store, manifests[step], [part.rank])
             except CheckpointCorruptError as exc:

@@ -239,7 +239,7 @@ def _parsed_fields(body: Mapping[str, Any], path: str) -> dict[str, Any]:
     """The fields of ``body`` that are not plain JSON values, parsed."""
     parts = tuple(PartEntry(*p) for p in body.get("parts", ()))
     files = tuple(file_entry_from_dict(f) for f in body["files"])
-    files += tuple(FileEntry(p.written.path, p.bytes, p.checksum, "rank", p.rank) for p in parts)
+    files += tuple(p.rank_entry for p in parts)
     listed = body["tables"]
     if listed is None or isinstance(listed, Mapping):  # format 5: columns, or none
         tables = () if listed is None else tables_from_columns(listed, path)

@@ -1,4 +1,5 @@
-"""The records a manifest is made of: files, their row groups, tables, history, rank parts.
+"""The records a manifest is made of: files, their row groups, tables (a table's blocks may be
+kept as runs, ``ShardRuns``), history, rank parts.
 
 ``storage/manifest.py`` assembles them into a :class:`~embckpt.storage.manifest.Manifest`;
 ``storage/table_columns.py`` and ``storage/rank_parts.py`` lay them out in format 5.
@@ -6,10 +7,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -140,6 +141,79 @@ class FileEntry:
         )
 
 
+Shard = tuple[int, int, int, int, int]  # (rank, row_offset, col_offset, rows, cols)
+
+
+class ShardRuns(Sequence[Shard]):
+    """A table's blocks kept as their runs, expanded into tuples only when listed: a reader
+    of a 4,096-rank manifest needs the blocks of the few tables it holds, as arrays."""
+
+    def __init__(self, runs: Sequence[Sequence[Any]]) -> None:
+        self.runs = [list(r) for r in runs]
+        self._shards: tuple[Shard, ...] | None = None
+
+    def _expanded(self) -> tuple[Shard, ...]:
+        if self._shards is None:
+            self._shards = from_runs(self.runs)
+        return self._shards
+
+    def __len__(self) -> int:
+        return sum(int(r[5]) for r in self.runs)
+
+    @overload
+    def __getitem__(self, index: int) -> Shard: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Shard]: ...
+
+    def __getitem__(self, index: int | slice) -> Shard | Sequence[Shard]:
+        return self._expanded()[index]
+
+    def __iter__(self) -> Iterator[Shard]:
+        return iter(self._expanded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardRuns):
+            return self.runs == other.runs
+        if isinstance(other, Sequence):
+            return self._expanded() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._expanded())
+
+    def __repr__(self) -> str:
+        return f"ShardRuns({self.runs!r})"
+
+    def array(self) -> np.ndarray:
+        """The blocks as an int64 array (blocks x 5), built from the runs without tuples."""
+        if not self.runs:
+            return np.zeros((0, 5), dtype=np.int64)
+        runs = np.asarray([r[:6] for r in self.runs], dtype=np.int64)
+        along_cols = np.asarray([r[6] == "c" for r in self.runs])
+        counts = runs[:, 5]
+        run = np.repeat(np.arange(len(runs)), counts)
+        i = np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
+        out = runs[run, :5].copy()
+        out[:, 0] += i
+        step_rows = np.where(along_cols, 0, runs[:, 3])[run]
+        step_cols = np.where(along_cols, runs[:, 4], 0)[run]
+        out[:, 1] += i * step_rows
+        out[:, 2] += i * step_cols
+        return out
+
+
+def from_runs(runs: Sequence[Sequence[Any]]) -> tuple[Shard, ...]:
+    """The blocks ``runs`` stand for, in order (inverse of :func:`to_runs`)."""
+    shards: list[Shard] = []
+    for rank, row, col, rows, cols, count, axis in runs:
+        if axis == "r":
+            shards.extend((rank + i, row + i * rows, col, rows, cols) for i in range(count))
+        else:
+            shards.extend((rank + i, row, col + i * cols, rows, cols) for i in range(count))
+    return tuple(shards)
+
+
 @dataclass(frozen=True)
 class TableEntry:
     """A table as the writing job sharded it."""
@@ -157,9 +231,8 @@ class TableEntry:
     def shard_array(self) -> np.ndarray:
         """``shards`` as an int64 array (blocks x 5), built once: planners test thousands of
         blocks at once."""
-        array = getattr(self.shards, "array", None)  # a manifest's runs (table_columns.py)
-        if array is not None:
-            return np.asarray(array(), dtype=np.int64)
+        if isinstance(self.shards, ShardRuns):  # a format-5 manifest's (table_columns.py)
+            return self.shards.array()
         return np.asarray(self.shards, dtype=np.int64).reshape(-1, 5)
 
 
@@ -195,6 +268,11 @@ class PartEntry:
     def written(self) -> WrittenFile:
         """The rank file, as the writer recorded it."""
         return WrittenFile(rank_file(self.rank), self.bytes, self.checksum)
+
+    @property
+    def rank_entry(self) -> FileEntry:
+        """The rank file's entry among a manifest's files."""
+        return FileEntry(rank_file(self.rank), self.bytes, self.checksum, "rank", self.rank)
 
     def as_list(self) -> list[Any]:
         return [
