@@ -87,6 +87,7 @@ from embckpt.storage.manifest import (  # noqa: E402
     PartEntry,
     RowGroupEntry,
     TableEntry,
+    WrittenFile,
 )
 from embckpt.storage.rank_parts import index_metadata, part_of  # noqa: E402
 
@@ -225,7 +226,8 @@ def rank_rows(plan: Plan, rank: int) -> list[FileEntry]:
 def rank_part(rows: list[FileEntry], rank: int) -> tuple[bytes, PartEntry]:
     """A rank's rank file (its state and the index of ``rows``) and the manifest's record."""
     data = dense.encode_tree(RANK_STATE, metadata=index_metadata(rows))
-    return data, part_of(rank, data, checksum(data), rows)
+    written = WrittenFile(rank_file(rank), len(data), checksum(data))
+    return data, part_of(rank, data, written, rows)
 
 
 def commit(

@@ -40,6 +40,7 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import Manifest
 from embckpt.storage.retention import discard_newer
+from embckpt.storage.signing import SigningKey, load_verify_keys
 from embckpt.tiers.save import open_tiers
 from embckpt.tracking import RowTracker, View
 
@@ -63,6 +64,9 @@ class Checkpointer:
         statefuls: extra per-rank state saved with every checkpoint (data iterator, schedulers).
         filesystem: a configured ``pyarrow.fs.FileSystem`` (endpoint, retry strategy,
             credentials); ``directory`` is then the path inside it.
+        verify_key: public keys (PEM file paths, PEM bytes or ``Ed25519PublicKey``; one or a
+            list, for rotation): a restore reads only checkpoints signed by one of them, every
+            file checked against its SHA-256 digest (``storage/signing.py``).
 
     Raises:
         ConfigError: the optimizer or a stateful cannot be saved and restored (the message says
@@ -78,6 +82,7 @@ class Checkpointer:
         config: CheckpointConfig | None = None,
         statefuls: Mapping[str, dense.Stateful] | None = None,
         filesystem: pafs.FileSystem | None = None,
+        verify_key: Any = None,
     ) -> None:
         dense.optimizer_parts(optimizer, model)  # refuses what could not be saved or restored
         check_placeable(model)  # refuses sharded state that is no table's
@@ -102,7 +107,10 @@ class Checkpointer:
             filesystem=filesystem,
             write_retries=config.write_retries,
             retry_backoff_s=config.retry_backoff_s,
+            digests=config.signing_key is not None,
+            verify_keys=load_verify_keys(verify_key),
         )
+        self._signing_key = None if config.signing_key is None else SigningKey(config.signing_key)
         self._lock = DirectoryLock(
             self.store.fs, self.store.root, self.store.is_local, config.lock_lease_s
         )
@@ -120,6 +128,7 @@ class Checkpointer:
         self.comm.check(error, f"opening {self.store.uri}")
         self.tiers = open_tiers(config, self.comm, self.store, self._lock)
         save_store = self.store if self.tiers is None else self.tiers.local.own
+        save_store.digests = self.store.digests
         self.sharded: ShardedModel = discover(model, self.comm.rank)
         every_row = self.sharded.every_row_blocks()
         if every_row:
@@ -157,6 +166,7 @@ class Checkpointer:
             tables=table_entries(self.sharded, state_names),
             full_fp32_bytes=int(self.comm.all_sum([self.sharded.local_fp32_bytes()])[0]),
             tiers=self.tiers,
+            signing_key=self._signing_key,
         )
         self._state = SaveState(
             tracker=self.tracker,

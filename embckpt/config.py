@@ -124,6 +124,11 @@ class CheckpointConfig:
         partial_recovery: when a node and its replica are both lost, restore the surviving
             blocks from the newest step and the lost ones from the newest older step that
             holds them (CPR), instead of the newest step restorable whole.
+        signing_key: a PEM file holding an Ed25519 private key: each checkpoint is signed
+            (its manifest, which then holds a SHA-256 digest of every file: format 6), so
+            readers holding the public key (``verify_key``) refuse anything else. None (the
+            default): unsigned, format 5. Needs ``embckpt[sign]`` (the ``cryptography``
+            package).
     """
 
     policy: str = "one_shot"
@@ -157,6 +162,7 @@ class CheckpointConfig:
     durable_every: int = 1
     local_keep_last: int = 2
     partial_recovery: bool = False
+    signing_key: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -37,6 +37,11 @@ class ChainIncompleteError(CheckpointCorruptError):
     """A differential checkpoint depends on a checkpoint that is not (or no longer) committed."""
 
 
+class UntrustedCheckpointError(CheckpointCorruptError):
+    """A reader holding verify keys refused a checkpoint: unsigned, signed by a key it does
+    not trust, a signature that does not verify, or a file whose SHA-256 digest differs."""
+
+
 class ModelMismatchError(RestoreError, ValueError):
     """The model being restored does not match the checkpoint (tables, rows, dims, dtypes)."""
 

@@ -17,6 +17,7 @@ from embckpt.sharding import ShardedModel
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock
 from embckpt.storage.manifest import TableEntry
+from embckpt.storage.signing import SigningKey
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,4 @@ class SaveContext:
     tables: tuple[TableEntry, ...]
     full_fp32_bytes: int
     tiers: Any = None  # a ``tiers.save.TierSaver`` with a node-local tier: runs after each commit
+    signing_key: SigningKey | None = None  # signs each manifest (``storage/signing.py``)

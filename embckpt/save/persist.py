@@ -138,9 +138,9 @@ class Persister:
                 try:
                     failpoints.hit("save.manifest")
                     ctx.lock.check_held()  # a job that lost the directory never commits
-                    ctx.store.write_atomic(
-                        ctx.store.step_path(step, MANIFEST_NAME), manifest.to_json().encode()
-                    )
+                    key = ctx.signing_key
+                    text = manifest.to_json(None if key is None else key.sign)
+                    ctx.store.write_atomic(ctx.store.step_path(step, MANIFEST_NAME), text.encode())
                 except Exception as exc:
                     error = exc
             comm.check(
@@ -272,7 +272,7 @@ class Persister:
             if index is None:
                 snapshot.entries.append(_entry(written, "rank", rank))
             else:
-                snapshot.part = part_of(rank, data, written.checksum, rows)
+                snapshot.part = part_of(rank, data, written, rows)
             failpoints.hit("save.agree")
         except Exception as exc:
             return exc
@@ -337,5 +337,10 @@ def as_save_error(
 
 def _entry(written: WrittenFile, role: str, rank: int) -> FileEntry:
     return FileEntry(
-        path=written.path, bytes=written.bytes, checksum=written.checksum, role=role, rank=rank
+        path=written.path,
+        bytes=written.bytes,
+        checksum=written.checksum,
+        role=role,
+        rank=rank,
+        digest=written.digest,
     )

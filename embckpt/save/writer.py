@@ -389,6 +389,7 @@ class RowFileWriter:
                 fqn=block.unit.unit.shard.fqn,
                 index=block_index,
                 block=None if packed is None else number,
+                digest=written.digest,
             )
             for number, (block, block_index) in enumerate(zip(blocks, indexes, strict=True))
         ]

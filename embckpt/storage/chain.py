@@ -163,7 +163,7 @@ def manifest_from_bytes(store: CheckpointStore, step: int, data: bytes) -> Manif
         text = data.decode()
     except UnicodeDecodeError as exc:
         raise CheckpointCorruptError(path, f"manifest is not UTF-8 text: {exc}") from exc
-    manifest = Manifest.from_json(text, path)
+    manifest = Manifest.from_json(text, path, store.verify_keys)
     if manifest.step != step:
         raise CheckpointCorruptError(path, f"manifest says step {manifest.step}, folder {step}")
     # Each path once: the blocks of a packed file share one. Parts' rank files are checked
@@ -250,10 +250,15 @@ def latest_step(store: CheckpointStore) -> int:
 
 
 def read_chain(
-    store: CheckpointStore, step: int | None, select: Select | None = None
+    store: CheckpointStore,
+    step: int | None,
+    select: Select | None = None,
+    known: Mapping[int, Manifest] | None = None,
 ) -> list[Manifest]:
     """The manifests a restore of ``step`` (the latest committed one if None) needs, base
     (full) first; of each, the rows files of the ranks ``select`` picks (None: every rank's).
+    Manifests in ``known`` (read before, by step) are not read again: a follower reads only
+    the new links of a chain.
 
     Raises:
         ChainIncompleteError: no committed checkpoint (``step`` None), or a checkpoint of the
@@ -264,7 +269,12 @@ def read_chain(
     """
     if step is None:
         step = latest_step(store)
-    chain = [read_root(store, step)]
+    known = known or {}
+
+    def root(at: int) -> Manifest:
+        return known.get(at) or read_root(store, at)
+
+    chain = [root(step)]
     while chain[-1].parent_step is not None:
         child, parent = chain[-1], chain[-1].parent_step
         if parent in {m.step for m in chain} or parent >= child.step:
@@ -272,7 +282,7 @@ def read_chain(
                 store.step_path(child.step, MANIFEST_NAME), f"parent step {parent} is not older"
             )
         try:
-            chain.append(read_root(store, parent))
+            chain.append(root(parent))
         except ChainIncompleteError as exc:
             links = " <- ".join(str(s) for s in [child.base_step, parent, *_steps(chain[::-1])])
             committed = ", ".join(map(str, store.committed_steps())) or "none"
@@ -287,8 +297,8 @@ def read_chain(
             store.step_path(chain[-1].step, MANIFEST_NAME),
             "chain does not start at a full checkpoint",
         )
-    known = {m.step: m for m in chain}
-    chain = [_with_tables(store, m, known) for m in chain[::-1]]
+    by_step = {m.step: m for m in chain}
+    chain = [_with_tables(store, m, by_step) for m in chain[::-1]]
     chain = [load_parts(store, m, None if select is None else select(m)) for m in chain]
     return _with_one_naming(chain)
 

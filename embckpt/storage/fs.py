@@ -29,6 +29,7 @@ from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_o
 from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.paths import path_problem
 from embckpt.storage.phases import PhaseClock, timed
+from embckpt.storage.signing import VerifyKeys, check_digest, digest
 from embckpt.storage.sink import ChecksumSink, StreamedFile
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ def check_whole(
     with timed(clock, "verify"):
         checksums.verify_size(data.size, expected.bytes, path)
         checksums.verify(data, expected.checksum, path)
+        if expected.digest:  # a signed checkpoint
+            check_digest(data, expected.digest, path)
     return data
 
 
@@ -141,6 +144,9 @@ class CheckpointStore:
         retry_backoff_s: the wait before the first retry; the n-th retry waits a uniformly
             random time up to ``retry_backoff_s * 2**(n-1)`` (full jitter, so writers throttled
             together do not retry together), never more than 5 s.
+        digests: files written get a SHA-256 digest too (a signed checkpoint's writer).
+        verify_keys: only manifests signed by one of these keys are read
+            (``storage/signing.py``); None reads any.
 
     Raises:
         ValueError: ``filesystem`` is given with a URI instead of a path, or ``write_retries``
@@ -155,6 +161,8 @@ class CheckpointStore:
         filesystem: pafs.FileSystem | None = None,
         write_retries: int = 4,
         retry_backoff_s: float = 0.1,
+        digests: bool = False,
+        verify_keys: VerifyKeys | None = None,
     ) -> None:
         if write_retries < 0 or retry_backoff_s < 0:
             raise ValueError(
@@ -178,6 +186,8 @@ class CheckpointStore:
         self.fsync = fsync
         self.write_retries = write_retries
         self.retry_backoff_s = retry_backoff_s
+        self.digests = digests
+        self.verify_keys = verify_keys
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -203,6 +213,20 @@ class CheckpointStore:
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists, ascending."""
         return sorted(step for step in self._step_folders() if self.is_committed(step))
+
+    def newest_committed(self) -> int | None:
+        """The newest step whose manifest exists (None if none): one listing, and one look
+        per folder from the newest down to the first committed one."""
+        for step in sorted(self._step_folders(), reverse=True):
+            if self.is_committed(step):
+                return step
+        return None
+
+    def file_info(self, step: int, relative: str) -> tuple[int, float]:
+        """A file's size and modification time (unix seconds; an object's upload time)."""
+        info = self.fs.get_file_info(self._inside(step, relative))
+        mtime = info.mtime.timestamp() if info.mtime is not None else float("nan")
+        return int(info.size or 0), mtime
 
     def leftover_steps(self) -> list[int]:
         """Step folders without a manifest: debris of interrupted saves, never checkpoints."""
@@ -264,11 +288,15 @@ class CheckpointStore:
             raise ValueError(f"{self.step_path(step, relative)}: {problem}")
         if isinstance(data, StreamedFile):
             self.write_atomic(self.step_path(step, relative), data, clock=clock)
-            return WrittenFile(path=relative, bytes=data.size, checksum=data.checksum)
+            return WrittenFile(relative, data.size, data.checksum, data.digest)
         if checksum is None:
             checksum = checksums.checksum(data)
+        sha = ""
+        if self.digests:
+            with timed(clock, "hash"):
+                sha = digest(data)
         self.write_atomic(self.step_path(step, relative), data, clock=clock)
-        return WrittenFile(path=relative, bytes=len(memoryview(data)), checksum=checksum)
+        return WrittenFile(relative, len(memoryview(data)), checksum, sha)
 
     def write_atomic(
         self,
@@ -312,7 +340,7 @@ class CheckpointStore:
         # and pyarrow's output streams complete the upload when closed, whatever happened.
         if isinstance(data, StreamedFile):
             buffer = pa.BufferOutputStream()
-            data.write_to(ChecksumSink(buffer.write))
+            data.write_to(ChecksumSink(buffer.write, digests=self.digests))
             data = buffer.getvalue()
         with timed(clock, "write"):
             self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
@@ -330,7 +358,7 @@ class CheckpointStore:
         try:
             with open(tmp, "wb") as out:
                 if isinstance(data, StreamedFile):
-                    data.write_to(ChecksumSink(out.write, clock))
+                    data.write_to(ChecksumSink(out.write, clock, self.digests))
                 else:
                     with timed(clock, "write"):
                         out.write(memoryview(data))

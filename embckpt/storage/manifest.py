@@ -14,12 +14,12 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from embckpt.errors import CheckpointCorruptError
+from embckpt.errors import CheckpointCorruptError, UntrustedCheckpointError
 from embckpt.storage.checksum import ALGORITHM, LEGACY_ALGORITHM
 from embckpt.storage.manifest_types import (
     FileEntry,
@@ -33,6 +33,7 @@ from embckpt.storage.manifest_types import (
     plain,
 )
 from embckpt.storage.paths import path_problem
+from embckpt.storage.signing import VerifyKeys, require_digests
 from embckpt.storage.table_columns import tables_from_columns, tables_to_columns
 
 __all__ = [
@@ -53,8 +54,12 @@ FORMAT_VERSION = 5
 """2: CRC32C file checksums and float payloads as Parquet float lists; 3: a table is named by its
 collection's module path and its name; 4: small blocks packed into shared rows files; 5: each
 rank's rows files listed in its rank file's header (``parts``), tables as columns of runs, a
-diff's unchanged tables named by the step that lists them (docs/ARCHITECTURE.md)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+diff's unchanged tables named by the step that lists them (docs/ARCHITECTURE.md). Signed
+checkpoints are :data:`SIGNED_VERSION`."""
+SIGNED_VERSION = 6
+"""Format 5 with an Ed25519 signature and a SHA-256 digest of every file
+(``storage/signing.py``): written only with a signing key, so unsigned files stay format 5."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 PARTS_VERSION = 5
 """The first version that may list rows files in rank files (``Manifest.parts``)."""
 PART_ROLES = ("rank", "rows")
@@ -93,6 +98,8 @@ class Manifest:
     tables_from: int | None = None
     """Format 5: the step whose manifest listed this one's tables when it was written (its
     chain's full), or None; readers take them from the nearest older link that lists them."""
+    signature: Mapping[str, Any] | None = None
+    """Signed checkpoints: ``{algorithm, key, value}`` (``storage/signing.py``)."""
     loaded: frozenset[int] | None = None
     """The ranks whose parts ``files`` holds the rows files of (None: every rank's): a restore
     reads the parts of the ranks whose blocks overlap its own, and only those."""
@@ -153,11 +160,14 @@ class Manifest:
         )
         return replace(self, tables=tables, files=files)
 
-    def to_json(self) -> str:
+    def to_json(self, sign: Callable[[bytes], Mapping[str, Any]] | None = None) -> str:
         """The manifest's text: one line of JSON (the C encoder: an indented dump runs in
         Python, about 4 ms for 150 files, on the critical path of every save). Format 5 lays
-        the tables out as columns, and leaves each part's rows files to its rank file."""
-        body = plain(replace(self, tables=(), files=(), parts=(), loaded=None))
+        the tables out as columns, and leaves each part's rows files to its rank file. With
+        ``sign`` (``SigningKey.sign``), format 6: signed over every field but ``checksum`` and
+        ``signature``."""
+        body = plain(replace(self, tables=(), files=(), parts=(), loaded=None, signature=None))
+        del body["signature"]
         if self.format_version >= PARTS_VERSION:
             listed = self.tables_from is None
             body["tables"] = tables_to_columns(self.tables) if listed else None
@@ -169,21 +179,26 @@ class Manifest:
             del body["parts"], body["tables_from"]
             body["tables"], body["files"] = plain(self.tables), plain(self.files)
         del body["loaded"]
+        if sign is not None:
+            body["format_version"] = SIGNED_VERSION
+            body["signature"] = dict(sign(_canonical(body)))
         body["checksum"] = _checksum(body)
         return json.dumps(body, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, path: str) -> Manifest:
-        """Parses and checks a manifest.
+    def from_json(cls, text: str, path: str, keys: VerifyKeys | None = None) -> Manifest:
+        """Parses and checks a manifest; with ``keys``, its signature and that it gives a
+        digest of every file it lists.
 
         Raises:
             CheckpointCorruptError: not JSON, checksum mismatch, or an unknown format version.
+            UntrustedCheckpointError: with ``keys``: unsigned, or not signed by one of them.
         """
         with collector_paused():
-            return cls._parse(text, path)
+            return cls._parse(text, path, keys)
 
     @classmethod
-    def _parse(cls, text: str, path: str) -> Manifest:
+    def _parse(cls, text: str, path: str, keys: VerifyKeys | None) -> Manifest:
         try:
             body = json.loads(text)
             checksum = body.pop("checksum")
@@ -191,6 +206,9 @@ class Manifest:
             raise CheckpointCorruptError(path, f"manifest is not valid: {exc}") from exc
         if checksum != _checksum(body):
             raise CheckpointCorruptError(path, "manifest checksum does not match its contents")
+        signature = body.pop("signature", None)
+        if keys is not None:
+            keys.check(_canonical(body), signature, path)
         version = body.get("format_version")
         if version not in READABLE_VERSIONS:
             raise CheckpointCorruptError(
@@ -204,7 +222,7 @@ class Manifest:
                 path, f"checksum algorithm {algorithm!r} is not supported (crc32c, sha256)"
             )
         try:
-            manifest = cls(**{**body, **_parsed_fields(body, path)})
+            manifest = cls(**{**body, **_parsed_fields(body, path)}, signature=signature)
         except (TypeError, KeyError, ValueError) as exc:
             raise CheckpointCorruptError(path, f"manifest fields are not valid: {exc}") from exc
         ranks = {p.rank for p in manifest.parts}  # their rank files are named by the reader
@@ -218,6 +236,14 @@ class Manifest:
             raise CheckpointCorruptError(
                 path, f"file entry {twice[0]!r} is listed more than once: one file cannot hold both"
             )
+        if keys is not None:
+            require_digests(manifest.files, path)
+            unindexed = [p.rank for p in manifest.parts if not p.index_digest]
+            if unindexed:
+                raise UntrustedCheckpointError(
+                    path,
+                    f"rank {unindexed[0]}'s index has no SHA-256 digest in a signed checkpoint",
+                )
         return manifest
 
 
@@ -296,9 +322,12 @@ def _one_packed_file(entries: list[FileEntry]) -> bool:
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _checksum(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(_canonical(body)).hexdigest()
 
 
 def ids_of_bare_names(names: Iterable[str], ids: Iterable[str]) -> dict[str, str]:

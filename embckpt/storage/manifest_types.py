@@ -24,6 +24,7 @@ class WrittenFile:
     path: str  # relative to the step folder
     bytes: int
     checksum: str  # see storage/checksum.py: CRC32C, or SHA-256 in format-1 manifests
+    digest: str = ""  # signed checkpoints: SHA-256 (storage/signing.py); "" otherwise
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RowGroupEntry:
     offset: int
     length: int
     checksum: str
+    digest: str = ""  # signed checkpoints: the SHA-256 of the same bytes
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class FileIndex:
     first_group: int = 0
     """The Parquet number of the first row group listed: a block of a packed file lists its
     own row groups only, Parquet's ``first_group`` to ``first_group + len(row_groups) - 1``."""
+    footer_digest: str = ""  # signed checkpoints: the footer's SHA-256
 
     @classmethod
     def from_dict(cls, body: Mapping[str, Any]) -> FileIndex:
@@ -71,6 +74,7 @@ class FileIndex:
                 RowGroupEntry(**_renamed(g, "sha256", "checksum")) for g in body["row_groups"]
             ),
             first_group=body.get("first_group", 0),
+            footer_digest=body.get("footer_digest", ""),
         )
 
 
@@ -106,6 +110,8 @@ class FileEntry:
     """In a packed rows file (format 4), the block's number in the file's header ``blocks``;
     ``bytes`` and ``checksum`` are then the whole file's, ``index`` lists the block's own row
     groups. None: the file holds this block alone."""
+    digest: str = ""
+    """Signed checkpoints (format 6): the whole file's SHA-256 (``storage/signing.py``)."""
 
     @property
     def packed(self) -> bool:
@@ -129,7 +135,7 @@ class FileEntry:
 
     @property
     def written(self) -> WrittenFile:
-        return WrittenFile(self.path, self.bytes, self.checksum)
+        return WrittenFile(self.path, self.bytes, self.checksum, self.digest)
 
     def overlaps(self, row_lo: int, row_hi: int, col_lo: int, col_hi: int) -> bool:
         """True if this rows file can hold rows in [row_lo, row_hi) x [col_lo, col_hi)."""
@@ -263,19 +269,23 @@ class PartEntry:
     index_checksum: str
     files_bytes: int
     rows: int
+    digest: str = ""  # signed checkpoints: the rank file's SHA-256, and its header's
+    index_digest: str = ""
 
     @property
     def written(self) -> WrittenFile:
         """The rank file, as the writer recorded it."""
-        return WrittenFile(rank_file(self.rank), self.bytes, self.checksum)
+        return WrittenFile(rank_file(self.rank), self.bytes, self.checksum, self.digest)
 
     @property
     def rank_entry(self) -> FileEntry:
         """The rank file's entry among a manifest's files."""
-        return FileEntry(rank_file(self.rank), self.bytes, self.checksum, "rank", self.rank)
+        return FileEntry(
+            rank_file(self.rank), self.bytes, self.checksum, "rank", self.rank, digest=self.digest
+        )
 
     def as_list(self) -> list[Any]:
-        return [
+        listed = [
             self.rank,
             self.bytes,
             self.checksum,
@@ -284,6 +294,7 @@ class PartEntry:
             self.files_bytes,
             self.rows,
         ]
+        return listed + [self.digest, self.index_digest] if self.digest else listed
 
 
 def file_entry_from_dict(body: Mapping[str, Any]) -> FileEntry:
@@ -311,7 +322,10 @@ def _renamed(body: Mapping[str, Any], old_key: str, key: str) -> Mapping[str, An
     return renamed
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_FIELD_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_UNSIGNED_ABSENT = frozenset({"digest", "footer_digest"})
+"""Fields only signed checkpoints hold: left out where empty, so that an unsigned checkpoint's
+files are byte for byte what they were before signing existed."""
 
 
 def plain(value: Any) -> Any:
@@ -320,10 +334,16 @@ def plain(value: Any) -> Any:
     if kind in (str, int, float, bool) or value is None:
         return value
     if is_dataclass(value):
-        names = _FIELD_NAMES.get(kind)
-        if names is None:
-            names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(value))
-        return {name: plain(getattr(value, name)) for name in names}
+        known = _FIELD_NAMES.get(kind)
+        if known is None:
+            names = tuple(f.name for f in fields(value))
+            known = _FIELD_NAMES[kind] = (names, tuple(_UNSIGNED_ABSENT.intersection(names)))
+        names, optional = known
+        out = {name: plain(getattr(value, name)) for name in names}
+        for name in optional:
+            if not out[name]:
+                del out[name]
+        return out
     if isinstance(value, Sequence) and not isinstance(value, str):  # tuples, a table's runs
         return [plain(v) for v in value]
     if isinstance(value, Mapping):

@@ -19,8 +19,15 @@ from typing import Any
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage.checksum import checksum, verify
-from embckpt.storage.manifest_types import FileEntry, PartEntry, file_entry_from_dict, plain
+from embckpt.storage.manifest_types import (
+    FileEntry,
+    PartEntry,
+    WrittenFile,
+    file_entry_from_dict,
+    plain,
+)
 from embckpt.storage.paths import path_problem
+from embckpt.storage.signing import check_digest, digest, require_digests
 
 INDEX_KEY = "embckpt.index"
 
@@ -31,19 +38,22 @@ def index_metadata(entries: Sequence[FileEntry]) -> dict[str, str]:
 
 
 def part_of(
-    rank: int, data: bytes, written_checksum: str, entries: Sequence[FileEntry]
+    rank: int, data: bytes, written: WrittenFile, entries: Sequence[FileEntry]
 ) -> PartEntry:
     """The manifest's record of rank ``rank``'s part: its rank file ``data`` (written with
-    :func:`index_metadata`), whose checksum the write computed, and its rows ``entries``."""
+    :func:`index_metadata`), as its write recorded it (with a digest: a signed checkpoint, whose
+    header gets one too), and its rows ``entries``."""
     span = header_span(data)
     return PartEntry(
         rank=rank,
         bytes=len(data),
-        checksum=written_checksum,
+        checksum=written.checksum,
         index_bytes=span,
         index_checksum=checksum(data[:span]),
         files_bytes=len(data) + sum({e.path: e.bytes for e in entries}.values()),
         rows=sum(e.rows for e in entries),
+        digest=written.digest,
+        index_digest=digest(data[:span]) if written.digest else "",
     )
 
 
@@ -65,6 +75,8 @@ def parse_index(header: bytes, part: PartEntry, path: str) -> list[FileEntry]:
         entries = [file_entry_from_dict(f) for f in files]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(path, f"rank file index is not valid: {exc}") from exc
+    if part.index_digest:  # signed: every rows file it lists has its digests
+        require_digests(entries, path)
     for entry in entries:
         problem = path_problem(entry.path)
         if entry.role != "rows" or entry.rank != part.rank:
@@ -84,4 +96,7 @@ def check_header(data: bytes, part: PartEntry, path: str) -> None:
         raise CheckpointCorruptError(
             path, f"header is {len(data)} bytes, the manifest says {part.index_bytes}"
         )
-    verify(data, part.index_checksum, path, f"header (bytes 0+{part.index_bytes})")
+    what = f"header (bytes 0+{part.index_bytes})"
+    verify(data, part.index_checksum, path, what)
+    if part.index_digest:
+        check_digest(data, part.index_digest, path, what)

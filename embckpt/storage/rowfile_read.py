@@ -33,6 +33,7 @@ from embckpt.storage.rowfile import (
     STATE_PREFIX,
 )
 from embckpt.storage.rowfile_ranges import PARSE_ERRORS, FetchedFile, RangeSource
+from embckpt.storage.signing import check_digest
 
 BATCH_BYTES = 8 << 20  # bytes of row groups decoded at a time (at least one row group)
 
@@ -280,12 +281,10 @@ def open_ranges(
         if footer_length <= 0:
             raise CheckpointCorruptError(path, f"footer: empty range at byte {index.footer_offset}")
         footer = fetched(index.footer_offset, footer_length)
-        verify(
-            footer,
-            index.footer_checksum,
-            path,
-            f"footer (bytes {index.footer_offset}+{footer_length})",
-        )
+        what = f"footer (bytes {index.footer_offset}+{footer_length})"
+        verify(footer, index.footer_checksum, path, what)
+        if index.footer_digest:  # a signed checkpoint
+            check_digest(footer, index.footer_digest, path, what)
         segments: list[tuple[int, pa.Buffer]] = []
         for run in _runs(groups):
             first, last = index.row_groups[run[0]], index.row_groups[run[-1]]
@@ -293,12 +292,10 @@ def open_ranges(
             for g in run:
                 group = index.row_groups[g]
                 part = data.slice(group.offset - first.offset, group.length)
-                verify(
-                    part,
-                    group.checksum,
-                    path,
-                    f"row group {g} (bytes {group.offset}+{group.length})",
-                )
+                what = f"row group {g} (bytes {group.offset}+{group.length})"
+                verify(part, group.checksum, path, what)
+                if group.digest:
+                    check_digest(part, group.digest, path, what)
             segments.append((first.offset, data))
         try:
             parsed = pq.read_metadata(pa.BufferReader(pa.py_buffer(MAGIC + footer.to_pybytes())))

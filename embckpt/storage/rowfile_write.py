@@ -240,7 +240,7 @@ class RowsFile(StreamedFile):
         writer = pq.ParquetWriter(sink, schema, **_options(self.blocks[0], schema))
         cuts = []
         try:
-            _, magic, _ = sink.cut()
+            _, magic, _, _ = sink.cut()
             if magic != len(MAGIC):
                 raise ValueError(f"the Parquet writer began with {magic} bytes, not its magic")
             step = self.row_group_rows
@@ -250,18 +250,19 @@ class RowsFile(StreamedFile):
                     cuts.append(sink.cut())
         finally:
             writer.close()
-        footer_offset, _, footer_crc = sink.cut()
+        footer_offset, _, footer_crc, footer_digest = sink.cut()
         metadata = writer.writer.metadata
         self.index = FileIndex(
             file_checksum=sink.checksum,
             footer_offset=footer_offset,
             footer_checksum=checksums.tag(footer_crc),
             row_groups=_streamed_groups(metadata, [c for c in cuts if c[1]]),
+            footer_digest=footer_digest,
         )
 
 
 def _streamed_groups(
-    metadata: pq.FileMetaData, cuts: Sequence[tuple[int, int, int]]
+    metadata: pq.FileMetaData, cuts: Sequence[tuple[int, int, int, str]]
 ) -> tuple[RowGroupEntry, ...]:
     """The index entries of a streamed file's row groups: their ranges and CRCs as cut while
     streaming, checked against the ranges and taken with the row-id bounds the footer
@@ -270,7 +271,7 @@ def _streamed_groups(
         raise ValueError(f"{metadata.num_row_groups} row groups, {len(cuts)} streamed")
     groups = []
     start = len(MAGIC)
-    for i, (offset, length, crc) in enumerate(cuts):
+    for i, (offset, length, crc, sha) in enumerate(cuts):
         group = metadata.row_group(i)
         end = max(_chunk_end(group.column(j)) for j in range(group.num_columns))
         if (offset, offset + length) != (start, end):
@@ -284,6 +285,7 @@ def _streamed_groups(
                 offset=start,
                 length=length,
                 checksum=checksums.tag(crc),
+                digest=sha,
             )
         )
         start = end
