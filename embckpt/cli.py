@@ -1,4 +1,5 @@
-"""``embckpt`` command line: demo | inspect | verify | report | merge | restore | export | unlock.
+"""``embckpt`` command line: demo | inspect | verify | report | merge | restore | export | unlock
+| follow | keygen.
 
 Exit codes, one rule for every command:
 
@@ -40,6 +41,13 @@ without a GPU.
     files_checked: int
     problems: list of {path: str, reason: str}
     leftovers: list of {step: int, path: str}
+
+``follow --json`` prints one object per applied step (one line each)::
+
+    step: int, previous: int?, path: list[int] (the checkpoints read, in order),
+    rewound: bool (back to the chain's full in memory first), bytes_read: int,
+    checkpoint_bytes: int (the step's own files), freshness_s: float (from its manifest's
+    write to its rows served), seconds: float (the update's own time)
 """
 
 from __future__ import annotations
@@ -64,7 +72,9 @@ from embckpt.cli_commands import (
     SCHEMA_VERSION,
     demo_command,
     export_command,
+    follow_command,
     inspect_command,
+    keygen_command,
     merge_command,
     report_command,
     restore_command,
@@ -127,6 +137,15 @@ def _allow_empty(parser: argparse.ArgumentParser) -> None:
 def _json_output(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="one JSON object (schema: embckpt/cli.py)"
+    )
+
+
+def _key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--key",
+        action="append",
+        metavar="PUBLIC.pem",
+        help="trust only checkpoints signed by this key (repeat for several: rotation)",
     )
 
 
@@ -195,6 +214,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _json_output(check)
     _allow_empty(check)
+    _key_argument(check)
+
+    follow = _command(
+        sub, "follow", follow_command, "serve the newest checkpoint, applying each new one"
+    )
+    _directory_arguments(follow)
+    follow.add_argument(
+        "--interval", type=positive_float, default=1.0, help="seconds between polls (1)"
+    )
+    follow.add_argument("--once", action="store_true", help="poll once, then exit")
+    follow.add_argument(
+        "--until-step", type=step_number, default=None, help="exit once this step is served"
+    )
+    follow.add_argument(
+        "--export", metavar="safetensors:PATH", help="write each applied step's tables to PATH"
+    )
+    follow.add_argument("--device", default="cpu", help="where the tables live (cpu)")
+    _json_output(follow)
+    _key_argument(follow)
+
+    keygen = _command(
+        sub, "keygen", keygen_command, "write an Ed25519 key pair for signed checkpoints"
+    )
+    keygen.add_argument("private", metavar="PRIVATE.pem", help="the signing key (for the writer)")
+    keygen.add_argument("public", metavar="PUBLIC.pem", help="the verify key (for readers)")
 
     report = _command(sub, "report", report_command, "what each checkpoint cost and saved")
     _directory_arguments(report)

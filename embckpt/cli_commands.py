@@ -27,6 +27,7 @@ from embckpt.report.build import build_report, format_table
 from embckpt.report.projection import format_projection, project
 from embckpt.storage.chain import load_manifests
 from embckpt.storage.fs import CheckpointStore
+from embckpt.storage.signing import generate_key_pair, load_verify_keys
 from embckpt.storage.verify import verify
 
 #: ``schema_version`` of ``inspect --json`` and ``verify --json``.
@@ -118,6 +119,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 def verify_command(args: argparse.Namespace) -> int:
     directory = checkpoint_directory(args)
     store = open_store(directory)
+    store.verify_keys = load_verify_keys(args.key)
     require_committed(store, args.step)
     report = verify(store, args.step)
     if args.json:
@@ -271,4 +273,97 @@ def demo_command(args: argparse.Namespace) -> int:
             for k, v in (("policy", args.policy), ("codec", args.codec), ("bits", args.bits))
             if v is not None
         },
+    )
+
+
+def keygen_command(args: argparse.Namespace) -> int:
+    for path in (args.private, args.public):
+        if Path(path).exists():
+            raise UsageError(f"{path} exists: give a new file (keys are never overwritten)")
+    generate_key_pair(args.private, args.public)
+    print(
+        f"private key {args.private} (CheckpointConfig(signing_key=...)); public key "
+        f"{args.public} (verify_key=..., --key)"
+    )
+    return EXIT_OK
+
+
+def follow_command(args: argparse.Namespace) -> int:
+    """Follows DIR: one line (or JSON object) per applied step; ``--once`` polls once."""
+    import time
+
+    from embckpt.serve.follower import Follower
+
+    directory = checkpoint_directory(args)
+    open_store(directory)  # a URI pyarrow cannot open is a usage error
+    export = _export_target(args.export)
+    follower = Follower(directory, device=args.device, verify_key=args.key)
+    while True:
+        moved = follower.poll()
+        if moved and follower.last_update is not None:
+            update = follower.last_update
+            if export is not None:
+                _export_view(follower, export)
+            _print_update(update, args.json)
+        elif follower.last_error is not None:
+            print(
+                f"embckpt follow: serving step {follower.step}: {follower.last_error}",
+                file=sys.stderr,
+            )
+        done = args.until_step is not None and (follower.step or -1) >= args.until_step
+        if args.once or done:
+            break
+        time.sleep(args.interval)
+    if follower.step is None:
+        print(f"embckpt follow: {directory}: no committed checkpoint served", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_FAILED if args.once and follower.last_error is not None else EXIT_OK
+
+
+def _export_target(spec: str | None) -> str | None:
+    if spec is None:
+        return None
+    kind, _, path = spec.partition(":")
+    if kind != "safetensors" or not path:
+        raise UsageError(f"--export {spec}: give safetensors:PATH")
+    return output_path(path, "--export")
+
+
+def _export_view(follower: Any, path: str) -> None:
+    """Writes the served step's tables and dense state to ``path`` (renamed into place)."""
+    import os
+
+    import safetensors.torch
+    import torch
+
+    with follower.view() as view:
+        tensors = {name: t.contiguous() for name, t in view.items()}
+        tensors.update(
+            {k: v.contiguous() for k, v in view.dense.items() if isinstance(v, torch.Tensor)}
+        )
+        tmp = f"{path}.tmp-{os.getpid()}"
+        safetensors.torch.save_file(tensors, tmp, metadata={"embckpt.step": str(view.step)})
+    os.replace(tmp, path)
+
+
+def _print_update(update: Any, as_json: bool) -> None:
+    if as_json:
+        doc = {
+            "step": update.step,
+            "previous": update.previous,
+            "path": list(update.path),
+            "rewound": update.rewound,
+            "bytes_read": update.bytes_read,
+            "checkpoint_bytes": update.checkpoint_bytes,
+            "freshness_s": round(update.freshness_s, 4),
+            "seconds": round(update.seconds, 4),
+        }
+        print(json.dumps(doc), flush=True)
+        return
+    path = " -> ".join(map(str, update.path))
+    print(
+        f"step {update.step}: applied {path}{' (back to the full first)' if update.rewound else ''}"
+        f", read {update.bytes_read:,} bytes (the checkpoint's files: "
+        f"{update.checkpoint_bytes:,}), {update.freshness_s:.3f} s after its commit",
+        flush=True,
     )
