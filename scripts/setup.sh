@@ -29,7 +29,7 @@ fi
 # torchrec's metadata requires the CUDA fbgemm-gpu: install it alone, then its real needs.
 $PIP --no-deps "$(pin torchrec)"
 $PIP -r "$REQ"
-$PIP -e '.[plots,kmeans,test]'
+$PIP -e '.[plots,kmeans,sign,test]'
 # numba compiles the codecs' kernels at their first call, minutes of CPU from a cold cache, in
 # every process that finds them missing: compile them once, here, into numba's disk cache.
 "$VENV/bin/python" -m embckpt.codecs.precompile

@@ -56,6 +56,13 @@ def _write_and_restore(rank: int, world_size: int, root: str, keys: dict[str, st
                 "step": restored,
                 "diff": tm.differences(live, tm.snapshot_state(model, opt, rank)),
             }
+        if key is None:  # a job that requires a signature refuses this directory
+            with Checkpointer(
+                model, f"{root}/{name}", optimizer=opt, config=config, verify_key=keys["public"]
+            ) as refusing:
+                with pytest.raises(UntrustedCheckpointError, match="not signed") as info:
+                    refusing.restore(3)
+            out["refused"] = str(info.value)
     return out
 
 
@@ -102,6 +109,7 @@ def test_signed_checkpoints_restore_follow_and_verify_with_the_key(signed) -> No
 def test_without_a_key_files_are_as_before(signed) -> None:
     root, _, results = signed
     assert all(out["unsigned"]["diff"] == [] for out in results)
+    assert all(MANIFEST_NAME in out["refused"] for out in results)
     folder = root / "unsigned" / "step_000000000003"
     body = json.loads((folder / MANIFEST_NAME).read_text())
     assert body["format_version"] == 5 and "signature" not in body

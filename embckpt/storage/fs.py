@@ -145,8 +145,7 @@ class CheckpointStore:
             random time up to ``retry_backoff_s * 2**(n-1)`` (full jitter, so writers throttled
             together do not retry together), never more than 5 s.
         digests: files written get a SHA-256 digest too (a signed checkpoint's writer).
-        verify_keys: only manifests signed by one of these keys are read
-            (``storage/signing.py``); None reads any.
+        verify_keys: only manifests signed by one of these are read (None: any).
 
     Raises:
         ValueError: ``filesystem`` is given with a URI instead of a path, or ``write_retries``
@@ -291,10 +290,8 @@ class CheckpointStore:
             return WrittenFile(relative, data.size, data.checksum, data.digest)
         if checksum is None:
             checksum = checksums.checksum(data)
-        sha = ""
-        if self.digests:
-            with timed(clock, "hash"):
-                sha = digest(data)
+        with timed(clock, "hash"):
+            sha = digest(data) if self.digests else ""
         self.write_atomic(self.step_path(step, relative), data, clock=clock)
         return WrittenFile(relative, len(memoryview(data)), checksum, sha)
 
