@@ -135,6 +135,7 @@ def test_defaults_and_field_names_are_unchanged() -> None:
         ("durable_every", 1),
         ("local_keep_last", 2),
         ("partial_recovery", False),
+        ("signing_key", None),
     ]
     config = CheckpointConfig()
     actual = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]

@@ -99,6 +99,7 @@ class TieredReadStore:
         self.manifests = manifests
         self.steps = sorted(steps)
         self.uri = uri
+        self.verify_keys = durable.verify_keys  # the keys a reader of this job trusts
         self.cost = TierCost()
         self._lock = threading.Lock()
 
