@@ -87,7 +87,8 @@ def follow_phase(args: argparse.Namespace, root: str) -> dict[str, Any]:
             }
         )
     export = Path(root) / "served.safetensors"
-    _export(follower, export)
+    with follower.view() as view:
+        view.save_safetensors(export)
     diffs = [r for r in rows if r["kind"] == "diff" and len(r["path"]) == 1]
     ratios = [r["bytes_read"] / r["checkpoint_bytes"] for r in rows if len(r["path"]) == 1]
     return {
@@ -103,16 +104,6 @@ def follow_phase(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "held_rows_at_end": follower.held_rows,
         "directory_bytes": dir_bytes(directory),
     }
-
-
-def _export(follower: Any, path: Path) -> None:
-    import safetensors.torch
-    import torch
-
-    with follower.view() as view:
-        tensors = {k: t.contiguous() for k, t in view.items()}
-        tensors.update({k: v for k, v in view.dense.items() if isinstance(v, torch.Tensor)})
-        safetensors.torch.save_file(tensors, str(path))
 
 
 def _signed_vs_unsigned(

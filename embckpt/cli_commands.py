@@ -303,7 +303,8 @@ def follow_command(args: argparse.Namespace) -> int:
         if moved and follower.last_update is not None:
             update = follower.last_update
             if export is not None:
-                _export_view(follower, export)
+                with follower.view() as view:
+                    view.save_safetensors(export)
             _print_update(update, args.json)
         elif follower.last_error is not None:
             print(
@@ -327,23 +328,6 @@ def _export_target(spec: str | None) -> str | None:
     if kind != "safetensors" or not path:
         raise UsageError(f"--export {spec}: give safetensors:PATH")
     return output_path(path, "--export")
-
-
-def _export_view(follower: Any, path: str) -> None:
-    """Writes the served step's tables and dense state to ``path`` (renamed into place)."""
-    import os
-
-    import safetensors.torch
-    import torch
-
-    with follower.view() as view:
-        tensors = {name: t.contiguous() for name, t in view.items()}
-        tensors.update(
-            {k: v.contiguous() for k, v in view.dense.items() if isinstance(v, torch.Tensor)}
-        )
-        tmp = f"{path}.tmp-{os.getpid()}"
-        safetensors.torch.save_file(tensors, tmp, metadata={"embckpt.step": str(view.step)})
-    os.replace(tmp, path)
 
 
 def _print_update(update: Any, as_json: bool) -> None:

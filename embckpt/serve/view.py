@@ -9,10 +9,12 @@ than its lookups takes a copy (:meth:`View.copy`) and releases the view.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +102,20 @@ class View(Mapping[str, torch.Tensor]):
     def copy(self) -> dict[str, torch.Tensor]:
         """The tables copied: kept for as long as the caller wants, whatever the follower does."""
         return {name: self[name].clone() for name in self._tables}
+
+    def save_safetensors(self, path: str | Path) -> None:
+        """Writes the tables and the dense tensors as one safetensors file (the step in its
+        metadata), under a temporary name renamed into place: a reader of ``path`` sees
+        one step whole."""
+        import safetensors.torch
+
+        tensors = {name: self[name].contiguous() for name in self._tables}
+        tensors.update(
+            {k: v.contiguous() for k, v in self.dense.items() if isinstance(v, torch.Tensor)}
+        )
+        tmp = f"{path}.tmp-{os.getpid()}"
+        safetensors.torch.save_file(tensors, tmp, metadata={"embckpt.step": str(self.step)})
+        os.replace(tmp, path)
 
     def release(self) -> None:
         """Lets the follower apply its next update; the tensors may change after this."""
