@@ -22,6 +22,7 @@ def _identify(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from embckpt.codecs import adaptive_kernels
     from embckpt.storage import fs
 
     total = torch.tensor([rank + 1])
@@ -33,7 +34,14 @@ def _identify(rank: int, world_size: int) -> dict:
         "group": (dist.get_rank(), dist.get_world_size(), int(total)),
         "threads": torch.get_num_threads(),
         "draws": (random.random(), float(np.random.rand()), fs._JITTER.uniform(0, 1)),
+        # What the fork server readied (rank_preload): loaded kernels, scikit-learn imported.
+        "kernels": sum(len(k.signatures) for k in vars(adaptive_kernels).values() if _jit(k)),
+        "sklearn": "sklearn.cluster" in sys.modules,
     }
+
+
+def _jit(value: object) -> bool:
+    return hasattr(value, "signatures") and hasattr(value, "py_func")
 
 
 _ERR_LINES = ("warns", "writes to descriptor 2")  # sorted
@@ -70,6 +78,7 @@ def test_each_rank_is_a_fresh_process_with_the_callers_environment(monkeypatch) 
         for rank, r in enumerate(ranks):
             assert r["group"] == (rank, 3, 6)  # a group of this run's ranks only
             assert r["threads"] == 1
+            assert r["kernels"] > 0 and r["sklearn"]
             assert r["env"] == {
                 "RANK": str(rank),
                 "WORLD_SIZE": "3",

@@ -274,7 +274,9 @@ def _kernels_before_save(rank: int, world_size: int, root: str) -> dict:
 
 
 def test_the_codec_kernels_are_ready_before_the_first_save(tmp_path: Path) -> None:
-    (out,) = run_ranks(_kernels_before_save, 1, str(tmp_path), timeout_s=240)
+    # A fresh interpreter, as torchrun starts a rank: the launcher's fork server has loaded
+    # the kernels already in the ranks it forks.
+    (out,) = run_ranks(_kernels_before_save, 1, str(tmp_path), timeout_s=240, spawn=True)
     loaded = {k for k, n in out["built"].items() if n > out["before"].get(k, 0)}
     assert loaded, "building the Checkpointer loaded no kernel"
     assert out["saved"] == out["built"]  # a full and two diffs compiled nothing more

@@ -80,6 +80,11 @@ def compile_kmeans_and_huffman() -> None:
     else:
         for bits in _BITS:
             _round_trip("kmeans", {"bits": bits, "entropy": "none"})
+    compile_huffman()
+
+
+def compile_huffman() -> None:
+    """Huffman histograms, encode and decode (behind the 4- and 8-bit uniform codes)."""
     for bits in (4, 8):
         _round_trip("asymmetric", {"bits": bits, "entropy": "huffman"})
 

@@ -3,12 +3,13 @@
 Used by the demo, the benchmarks and the multi-rank tests, so all three start ranks the same way.
 
 Ranks are forked from multiprocessing's fork server, which imports torch, TorchRec and embckpt
-once (``PRELOAD``): a fresh rank then starts in a fraction of a second instead of importing them
-again, as a spawned one would. Each rank is still a new process with its own process group. It
-gets what a spawned rank inherits from its caller at the moment it starts, where a forked one
-would take the fork server's instead (:class:`_Inheritance`): the environment and the stdout and
-stderr descriptors (a test's output capture, a redirection); multiprocessing itself gives it the
-caller's ``sys.path``, working directory and ``__main__`` module.
+once (``PRELOAD``) and loads the codecs' kernels (``codecs/preload.py``): a fresh rank then
+starts in a fraction of a second instead of importing and loading them again, as a spawned one
+would. Each rank is still a new process with its own process group. It gets what a spawned
+rank inherits from its caller at the moment it starts, where a forked one would take the fork
+server's instead (:class:`_Inheritance`): the environment and the stdout and stderr descriptors
+(a test's output capture, a redirection); multiprocessing itself gives it the caller's
+``sys.path``, working directory and ``__main__`` module.
 
 Where CUDA is available, ranks are spawned instead: CUDA cannot start in a process forked from
 one that asked for it, and importing ``fbgemm_gpu`` asks (``torch.cuda.is_available()``).
@@ -62,6 +63,7 @@ PRELOAD = (
     "torchrec.models.dlrm",
     "embckpt.checkpointer",
     __name__,
+    "embckpt.codecs.preload",  # the codecs' kernels loaded, scikit-learn imported
 )
 
 
@@ -164,10 +166,15 @@ class RankFailed(RuntimeError):
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    spawn: bool = False,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (forked from the
-    fork server, see the module's docstring).
+    fork server, see the module's docstring; ``spawn=True``: fresh interpreters that preload
+    nothing, as ``torchrun`` starts ranks).
 
     ``fn`` must be importable (a module-level function) and return something picklable.
 
@@ -177,7 +184,7 @@ def run_ranks(
     Raises:
         RankFailed: a rank raised (its traceback is in the message), died, or timed out.
     """
-    ctx = rank_context()
+    ctx = mp.get_context("spawn") if spawn else rank_context()
     results = ctx.Queue()
     port = free_port()
     inheritance = _Inheritance.of_caller()

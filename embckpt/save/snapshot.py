@@ -199,3 +199,22 @@ def _copy_rows(live: torch.Tensor, unit: Unit, out: torch.Tensor, stream: Any | 
             out.copy_(source, non_blocking=True)
     else:
         out.copy_(source)
+
+
+def sample_unit(shard: TableShard) -> StagedUnit:
+    """A few rows of a block's layout, valued like trained embeddings and their states: what
+    the writer encodes to load its kernels before the first save."""
+    rows = min(8, shard.num_rows)
+    gen = torch.Generator().manual_seed(0)
+    cols = shard.num_cols
+    weights = (torch.randn(rows, cols, generator=gen) * 0.05).to(shard.weight.dtype)
+    row_states = {
+        n: torch.rand((rows, *t.shape[1:]), generator=gen).to(t.dtype)
+        for n, t in shard.row_states.items()
+    }
+    elem_states = {
+        n: torch.rand(rows, cols, generator=gen).to(t.dtype) for n, t in shard.elem_states.items()
+    }
+    local_rows = torch.arange(rows, dtype=torch.int64)
+    unit = Unit(shard, 0, local_rows, True)
+    return StagedUnit(unit, local_rows, weights, row_states, elem_states)

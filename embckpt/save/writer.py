@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from embckpt.config import CheckpointConfig
 from embckpt.policy import Decision, DiffBase, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
 from embckpt.save.reference import ReconstructedRows, ReferenceEdit
-from embckpt.save.snapshot import StagedUnit, Unit
+from embckpt.save.snapshot import StagedUnit, sample_unit
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import packed_rows_file, rows_file
 from embckpt.storage.manifest import FileEntry, FileIndex
@@ -428,18 +429,26 @@ class RowFileWriter:
             log.warning("could not ready the codec's kernels before the first save: %s", exc)
 
     def _warm(self, codec: Codec, shards: list[TableShard]) -> None:
-        layouts = {_layout(shard): shard for shard in shards}
+        codecs = json.dumps(
+            [c.get_config() for c in (codec, self.state_codec, self.base_codec)],
+            sort_keys=True,
+            default=str,
+        )
+        layouts = {(codecs, _layout(shard)): shard for shard in shards if shard.num_rows}
         reference, staging = self.reference, self.staging
         self.reference, self.staging = ReconstructedRows(), None
         try:
-            for shard in (s for s in layouts.values() if s.num_rows):
-                unit = _sample_unit(shard)
+            for key, shard in layouts.items():
+                if key in _WARMED:
+                    continue
+                unit = sample_unit(shard)
                 for decision in (Decision(Kind.FULL), Decision(Kind.DIFF, DiffBase.LAST_FULL)):
                     if decision.kind is Kind.DIFF:
                         unit = dataclasses.replace(unit, weights=unit.weights * 1.5 + 0.01)
                     parts = self._encode(unit, decision, codec, WriteEdits())
                     for part in parts:
                         self._block(unit, part, None, PhaseClock())
+                _WARMED.add(key)
         finally:
             self.reference, self.staging = reference, staging
 
@@ -447,29 +456,17 @@ class RowFileWriter:
         self._io.shutdown(wait=True)
 
 
+# What warm() already ran in this process (codecs and block layout): a kernel, once loaded,
+# stays loaded, so a job's next Checkpointer (a restore into a fresh one, a test's next case)
+# does not encode the samples again.
+_WARMED: set[tuple[str, tuple[Any, ...]]] = set()
+
+
 def _layout(shard: TableShard) -> tuple[Any, ...]:
     """What decides the kernels a block's encoding runs: its columns and tensors' types."""
     states = [(n, t.dtype, tuple(t.shape[1:])) for n, t in sorted(shard.row_states.items())]
     elems = [(n, t.dtype) for n, t in sorted(shard.elem_states.items())]
     return shard.num_cols, shard.weight.dtype, tuple(states), tuple(elems)
-
-
-def _sample_unit(shard: TableShard) -> StagedUnit:
-    """A few rows of a block's layout, valued like trained embeddings and their states."""
-    rows = min(8, shard.num_rows)
-    gen = torch.Generator().manual_seed(0)
-    cols = shard.num_cols
-    weights = (torch.randn(rows, cols, generator=gen) * 0.05).to(shard.weight.dtype)
-    row_states = {
-        n: torch.rand((rows, *t.shape[1:]), generator=gen).to(t.dtype)
-        for n, t in shard.row_states.items()
-    }
-    elem_states = {
-        n: torch.rand(rows, cols, generator=gen).to(t.dtype) for n, t in shard.elem_states.items()
-    }
-    local_rows = torch.arange(rows, dtype=torch.int64)
-    unit = Unit(shard, 0, local_rows, True)
-    return StagedUnit(unit, local_rows, weights, row_states, elem_states)
 
 
 def _whole(codec: Codec, unit: StagedUnit) -> EncodedRows:
