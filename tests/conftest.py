@@ -17,6 +17,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules marked ``slow(seconds)`` first, longest first; the rest after, in file order.
+
+    ``make test`` runs each module whole on one worker (``--dist loadfile``), in this order
+    (``--no-loadscope-reorder``; pytest-xdist would otherwise start the modules with the most
+    tests first). A long module started last would run alone at the end while the other
+    workers idle. The seconds are a module's time in a parallel run on 2 cores, rounded.
+    """
+
+    def cost(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("slow")
+        return -float(mark.args[0]) if mark is not None and mark.args else 0.0
+
+    items.sort(key=cost)  # stable: a module's tests stay together and in order
+
+
 def _save_small_run(rank: int, world_size: int, root: str) -> None:
     import toy_model as tm
 

@@ -28,6 +28,7 @@ restores check the state a failure or a restore left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -139,9 +140,9 @@ def make_schedule(
     if writer is not None:
         settings.update(writer=writer, pipeline="full")
     ops: list[tuple[Any, ...]] = [("train", rng.randint(1, 3)), ("save", None)]
-    if not faults:
-        for _ in range(4):
-            ops.extend([("train", rng.randint(1, 2)), ("save", None)])
+    if not faults:  # one step between saves: every diff still holds rows (hot rows, 16 ids)
+        for _ in range(3):  # a full and three diffs: incremental diffs on diffs
+            ops.extend([("train", 1), ("save", None)])
         ops.extend([("restore", rng.random(), None), ("train", 1), ("save", None)])
         ops.append(("restore", 1.0, None))
         return Schedule(seed, codec, policy, settings, tuple(ops))
@@ -380,8 +381,10 @@ class _Run:
         if "reshard" not in self.models:
             self.models["reshard"] = tm.build(2, seed=5, sharding=RESHARD)
         model, opt = self.models["reshard"]
+        # It only restores: no writer process of its own (it would start one, never used).
+        config = dataclasses.replace(self.config, writer="thread")
         with Checkpointer(
-            model, self.directory, optimizer=opt, config=self.config, filesystem=self.fs
+            model, self.directory, optimizer=opt, config=config, filesystem=self.fs
         ) as other:
             restored, error = self._attempt(None, lambda: other.restore(target))
         self._event("reshard", target, restored if error is None else error)

@@ -12,6 +12,8 @@ import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
 
+pytestmark = pytest.mark.slow(25)  # seconds here, on 2 cores: see conftest.py
+
 CODECS = (
     ("fp16", None),
     ("bf16", None),
@@ -50,9 +52,9 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
             model, opt = tm.build(world_size, seed=0)
             with Checkpointer(model, f"{root}/{name}", optimizer=opt, config=config) as ckpt:
                 kinds = []
-                for step in range(1, 13):
+                for step in range(1, 9):
                     tm.train_step(model, opt, step, rank, hot=120)
-                    if step % 3 == 0:
+                    if step % 2 == 0:
                         kinds.append(ckpt.save(step).wait().kind)
                 # What the writer believes a restore reproduces (additive codecs only).
                 reference = {
@@ -91,8 +93,8 @@ def _each_codec(rank: int, world_size: int, root: str) -> dict:
 
 
 # Mean relative row error a restore may show, per codec (4-bit unless named); measured here:
-# fp16 2e-4, bf16 1.6e-3, symmetric 0.07, asymmetric 0.047, adaptive 0.043 (2 bits: 0.2),
-# kmeans 0.04, exponent 0.07-0.30 (its 7 buckets per file span the deltas of a toy model whose
+# fp16 2e-4, bf16 1.6e-3, symmetric 0.062, asymmetric 0.045, adaptive 0.041 (2 bits: 0.19),
+# kmeans 0.046, exponent 0.07-0.19 (its 7 buckets per file span the deltas of a toy model whose
 # updates are as large as its weights; its reconstruction is checked exactly below).
 BOUNDS = {
     "fp16": 1e-3,
@@ -117,7 +119,7 @@ def results() -> list[dict]:
 def test_codec_round_trips_through_a_sharded_checkpoint(results, codec: str, policy: str) -> None:
     for rank, out in enumerate(results):
         r = out[f"{codec}-{policy}"]
-        assert r["restored"] == 12, rank
+        assert r["restored"] == 8, rank
         assert r["kinds"] == ["full", "diff", "diff", "diff"], rank
         assert r["inexact"] == [], f"rank {rank}: optimizer state not lossless: {r['inexact']}"
         assert 0 < r["error"] <= BOUNDS[codec], (rank, r["error"])

@@ -17,6 +17,8 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.sink import ChecksumSink, StreamedFile
 
+pytestmark = pytest.mark.slow(20)  # seconds here, on 2 cores: see conftest.py
+
 SAVE_EVERY = 3
 STEPS = 18
 POINTS = ("stage", "mid_file", "mid_packed", "between_files", "before_manifest", "after_manifest")

@@ -29,6 +29,8 @@ from embckpt.examples.synthetic import make_synthetic_dataset
 from embckpt.examples.workload import DemoConfig, WorkloadConfig
 from embckpt.report import build_report
 
+pytestmark = pytest.mark.slow(25)  # seconds here, on 2 cores: see conftest.py
+
 DEMO_YAML = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 README = Path(__file__).resolve().parents[1] / "README.md"
 SMALL = WorkloadConfig(num_samples=20000)

@@ -18,6 +18,8 @@ from fault_schedules import (
 
 from embckpt.examples.launcher import run_ranks
 
+pytestmark = pytest.mark.slow(95)  # seconds here, on 2 cores: see conftest.py
+
 
 def _covering(count: int) -> list[Schedule]:
     """The first seeds whose schedules together draw every codec and every policy, then more

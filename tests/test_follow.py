@@ -24,6 +24,8 @@ from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 
+pytestmark = pytest.mark.slow(25)  # seconds here, on 2 cores: see conftest.py
+
 STEPS = 8  # fulls at 1, 4 and 7 (full_every=3), diffs between: rebases, rewinds, extensions
 # One case per codec, the four policies among them: (codec, bits, policy).
 CASES: dict[str, tuple[str, int | None, str]] = {

@@ -16,6 +16,8 @@ import pytest
 
 from embckpt.examples.launcher import RankFailed, rank_context, run_ranks
 
+pytestmark = pytest.mark.slow(25)  # seconds here, on 2 cores: see conftest.py
+
 
 def _identify(rank: int, world_size: int) -> dict:
     import numpy as np

@@ -25,6 +25,8 @@ from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.lock import DirectoryLock, DirectoryLockedError
 from embckpt.storage.verify import verify
 
+pytestmark = pytest.mark.slow(25)  # seconds here, on 2 cores: see conftest.py
+
 
 def _damage(path: Path, others: list[Path], rng: random.Random) -> str:
     data = path.read_bytes()

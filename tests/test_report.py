@@ -24,6 +24,8 @@ from embckpt.report.build import build_report
 from embckpt.report.projection import parse_duration, parse_size, project
 from embckpt.storage.fs import CheckpointStore
 
+pytestmark = pytest.mark.slow(20)  # seconds here, on 2 cores: see conftest.py
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

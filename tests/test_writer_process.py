@@ -24,6 +24,8 @@ import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
 
+pytestmark = pytest.mark.slow(90)  # seconds here, on 2 cores: see conftest.py
+
 # The headline codec (adaptive 4-bit deltas) under a policy that takes diffs on a toy model.
 LOSSY = {"policy": "one_shot", "full_every": 0, "codec": "adaptive", "bits": 4}
 SMALL_SLABS = {"staging_budget_bytes": 20000, "pack_below_bytes": 0}  # steps run in windows
