@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -115,7 +116,8 @@ def _save_restore_verify(rank: int, world_size: int, uri: str, locked: str, writ
         out["lock_held"] = ckpt.store.fs.get_file_info(f"{ckpt.store.root}/LOCK").size is not None
     expected = tm.snapshot_state(model, opt, rank)
     fresh, fresh_opt = tm.build(world_size, seed=4)
-    with Checkpointer(fresh, uri, optimizer=fresh_opt, config=config) as ckpt:
+    restoring = dataclasses.replace(config, writer="thread")  # restores only: no writer process
+    with Checkpointer(fresh, uri, optimizer=fresh_opt, config=restoring) as ckpt:
         out["restored"] = ckpt.restore()
         out["committed"] = ckpt.store.committed_steps()
     out["diff"] = tm.differences(expected, tm.snapshot_state(fresh, fresh_opt, rank))

@@ -10,6 +10,7 @@ takes its writer process with it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -346,7 +347,8 @@ def _tiered(rank: int, world_size: int, root: str) -> dict:
                 ckpt.save(step).wait()
                 expected[step] = tm.snapshot_state(model, opt, rank)
     fresh, fresh_opt = tm.build(world_size, seed=3)
-    with Checkpointer(fresh, f"{root}/durable", optimizer=fresh_opt, config=config) as other:
+    restoring = dataclasses.replace(config, writer="thread")  # loads only: no writer process
+    with Checkpointer(fresh, f"{root}/durable", optimizer=fresh_opt, config=restoring) as other:
         result = other.load()
     return {
         "step": result.manifest.step,
