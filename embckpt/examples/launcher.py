@@ -153,6 +153,11 @@ def _worker(
         dist.init_process_group(
             backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size
         )
+        if backend == "gloo":
+            # Every rank's connections are up before any rank goes on: a rank whose function
+            # returns at once would otherwise close its group while a peer still connects to
+            # it, and that peer's init fails ("Connection closed by peer", seen once here).
+            dist.barrier()
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
