@@ -23,8 +23,8 @@ def _identify(rank: int, world_size: int) -> dict:
     import numpy as np
     import torch
     import torch.distributed as dist
+    from compiled_kernels import kernel_signatures
 
-    from embckpt.codecs import adaptive_kernels
     from embckpt.storage import fs
 
     total = torch.tensor([rank + 1])
@@ -36,14 +36,10 @@ def _identify(rank: int, world_size: int) -> dict:
         "group": (dist.get_rank(), dist.get_world_size(), int(total)),
         "threads": torch.get_num_threads(),
         "draws": (random.random(), float(np.random.rand()), fs._JITTER.uniform(0, 1)),
-        # What the fork server readied (rank_preload): loaded kernels, scikit-learn imported.
-        "kernels": sum(len(k.signatures) for k in vars(adaptive_kernels).values() if _jit(k)),
+        # What the fork server readied (codecs/preload.py): kernels loaded, scikit-learn imported.
+        "kernels": sum(n for k, n in kernel_signatures().items() if ".adaptive_kernels." in k),
         "sklearn": "sklearn.cluster" in sys.modules,
     }
-
-
-def _jit(value: object) -> bool:
-    return hasattr(value, "signatures") and hasattr(value, "py_func")
 
 
 _ERR_LINES = ("warns", "writes to descriptor 2")  # sorted

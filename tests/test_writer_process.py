@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy_model as tm
+from compiled_kernels import kernel_signatures
 
 from embckpt.examples.launcher import run_ranks
 
@@ -243,37 +244,20 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _kernel_signatures() -> dict[str, int]:
-    """Compiled signatures of every numba kernel of the codecs."""
-    from embckpt.codecs import (
-        adaptive_kernels,
-        huffman_kernels,
-        kmeans_kernels,
-        uniform_kernels,
-    )
-
-    out = {}
-    for module in (adaptive_kernels, huffman_kernels, kmeans_kernels, uniform_kernels):
-        for name, value in vars(module).items():
-            if hasattr(value, "signatures") and hasattr(value, "py_func"):
-                out[f"{module.__name__}.{name}"] = len(value.signatures)
-    return out
-
-
 def _kernels_before_save(rank: int, world_size: int, root: str) -> dict:
     """The codec's kernels are loaded when the Checkpointer is built: the saves after load
     none (the thread writer encodes in this process)."""
     from embckpt import CheckpointConfig, Checkpointer
 
     model, opt = tm.build(world_size, seed=0)
-    before = _kernel_signatures()
+    before = kernel_signatures()
     config = CheckpointConfig(writer="thread", **LOSSY)
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
-        built = _kernel_signatures()
+        built = kernel_signatures()
         for step in (1, 2, 3):
             tm.train_step(model, opt, step, rank, hot=60)
             ckpt.save(step).wait()
-    return {"before": before, "built": built, "saved": _kernel_signatures()}
+    return {"before": before, "built": built, "saved": kernel_signatures()}
 
 
 def test_the_codec_kernels_are_ready_before_the_first_save(tmp_path: Path) -> None:
