@@ -191,7 +191,7 @@ def test_restore_threads_take_twice_the_rank_share(monkeypatch: pytest.MonkeyPat
 def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:
     from types import SimpleNamespace
 
-    from embckpt.read.plan import Keep, _member
+    from embckpt.read.plan import Keep, _Rows
     from embckpt.read.stage import StagedFile
 
     rng = np.random.default_rng(3)
@@ -218,11 +218,18 @@ def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:
         share = per_row[first:last]
         expected = share.sum() * 3 / 8 + share[mask].sum() * 5 / 8
         assert np.isclose(file.needed_bytes(), expected)
-        values = np.arange(int(rng.integers(0, 50)), int(rng.integers(50, 100)))  # a run
-        found = np.unique(rng.integers(0, 120, size=int(rng.integers(0, 40))))
-        assert np.array_equal(_member(values, found), np.isin(values, found))
-        sparse = np.unique(rng.integers(0, 200, size=30))
-        assert np.array_equal(_member(sparse, found), np.isin(sparse, found))
+        # A block of global rows [100, 300): the set of rows newer files gave, as a mask.
+        given = _Rows(TableShard("t", "t", "row_wise", 100, 0, 300, 8, torch.zeros(200, 8)))
+        found = np.unique(rng.integers(100, 300, size=int(rng.integers(0, 40))))
+        given.add(found)
+        values = np.arange(int(rng.integers(100, 150)), int(rng.integers(150, 300)))  # a run
+        assert np.array_equal(given.member(values), np.isin(values, found))
+        sparse = np.unique(rng.integers(100, 300, size=30))
+        assert np.array_equal(given.member(sparse), np.isin(sparse, found))
+        lo = rng.integers(100, 300, size=5)
+        hi = lo + rng.integers(-3, 60, size=5).clip(max=299 - lo)
+        counts = [((found >= a) & (found <= b)).sum() for a, b in zip(lo, hi, strict=True)]
+        assert given.count_in(lo, hi).tolist() == counts
 
 
 def test_a_damaged_diff_fails_naming_it_and_every_staged_file_is_released(

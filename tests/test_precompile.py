@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 CODECS = Path(__file__).resolve().parents[1] / "embckpt" / "codecs"
-KERNEL_MODULES = ("adaptive_kernels", "uniform_kernels", "kmeans_kernels", "huffman_kernels")
+KERNEL_MODULES = (
+    "adaptive_kernels",
+    "uniform_kernels",
+    "kmeans_kernels",
+    "huffman_kernels",
+    "add_kernels",
+)
 
 
 def _called_kernels() -> set[tuple[str, str]]:

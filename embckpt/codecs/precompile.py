@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embckpt.codecs import make_codec
+from embckpt.codecs import add_kernels, make_codec
 from embckpt.errors import import_extra
 
 _ROWS, _COLS = 257, 16  # an odd row count: the tail paths of the packing loops too
@@ -59,8 +59,8 @@ def compile_adaptive_search() -> None:
 
 
 def compile_uniform() -> None:
-    """Quantize, pack and decode (fp16 and fp32 parameters, with and without a bias), and the
-    delta codec's narrower widths."""
+    """Quantize, pack and decode (fp16 and fp32 parameters, with and without a bias), the
+    delta codec's narrower widths, and the addition of its rows into a block."""
     for bits in _BITS:
         for name in ("asymmetric", "symmetric"):
             for param_dtype in ("float16", "float32"):
@@ -69,6 +69,8 @@ def compile_uniform() -> None:
     reference = _rows(1)
     encoded = delta.encode_delta(reference + 0.01 * _rows(2), reference)
     delta.decode(encoded, _COLS)
+    for dtype in (np.float32, np.float64):  # delta rows added into a block (read/cells.py)
+        add_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
 
 
 def compile_kmeans_and_huffman() -> None:

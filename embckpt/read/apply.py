@@ -38,7 +38,7 @@ from embckpt.read.cells import (
 )
 from embckpt.read.chain_pass import apply_block_chain, chain_blocks
 from embckpt.read.plan import Keep, plan_reads
-from embckpt.read.pool import worker_pool
+from embckpt.read.pool import INLINE_BYTES, submit, worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
@@ -100,18 +100,27 @@ def apply_staged(
     try:
         with worker_pool(threads, "embckpt-apply") as pool:
             for wave in waves:
-                # Largest first, so that the last file to finish is a small one.
+                # Largest first, so that the last file to finish is a small one; the small
+                # ones run on this thread meanwhile (pool.INLINE_BYTES).
                 wave.sort(key=lambda f: -f.read.planned_bytes)
                 tasks = _FileTasks(wave, threads)
-                for file, (weights, row_states) in zip(
-                    tasks.files,
-                    pool.map(functools.partial(tasks.run, clock=clock), tasks.tasks),
-                    strict=True,
-                ):
+                run = functools.partial(tasks.run, clock=clock)
+                futures = [
+                    submit(pool, file.read.planned_bytes <= INLINE_BYTES, run, task)
+                    for file, task in zip(tasks.files, tasks.tasks, strict=True)
+                ]
+                for file, future in zip(tasks.files, futures, strict=True):
+                    weights, row_states = future.result()
                     written.extend(weights)
                     states.setdefault(file.read.position, []).extend(row_states)
             # Other blocks than the waves': written after them or beside them alike.
-            for weights, found in pool.map(lambda fs: apply_block_chain(fs, clock), blocks):
+            blocks.sort(key=lambda fs: _encoded_bytes(fs) <= INLINE_BYTES)
+            chain_futures = [
+                submit(pool, _encoded_bytes(fs) <= INLINE_BYTES, apply_block_chain, fs, clock)
+                for fs in blocks
+            ]
+            for future in chain_futures:
+                weights, found = future.result()
                 written.extend(weights)
                 for position, rows in found:
                     states.setdefault(position, []).append(rows)
@@ -121,6 +130,10 @@ def apply_staged(
         for position in sorted(states):
             apply_row_states(states[position])
     return written
+
+
+def _encoded_bytes(files: Sequence[StagedFile]) -> int:
+    return sum(file.read.planned_bytes for file in files)
 
 
 class _FileTasks:

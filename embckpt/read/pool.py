@@ -1,11 +1,19 @@
 """The restore's worker threads, or none: with one thread asked for, the work runs on the
-calling thread.
+calling thread; small work (``INLINE_BYTES``) runs there too.
 
 A restore's buffers come from the allocator of the thread that decodes them. glibc gives each
 new thread an arena of its own, and ``malloc_trim`` cannot shrink the top of such an arena, so
 a worker thread leaves up to its arena's trim threshold resident after it exits; on the calling
 thread the same buffers are given back (``heap.py``; measured in
 ``benchmarks/restore_memory.py``). One worker also gains nothing from a thread.
+
+Small work (a chain's diffs: staging a few small files, decoding a few thousand rows) is mostly
+Python: on threads it waits for the GIL and pays a hand-over per task. Measured on the 2-core
+machine of ``benchmarks/results/`` (2 ranks, a 15-link chain of the test model): 6.4 ms per
+extra link with two threads per rank, 5.1 ms with the calling thread alone. Large work (a
+full's row groups: Parquet and the codecs' kernels, which release the GIL) still goes to the
+threads, and so does fetching from a store that is not a local disk, where a thread waits on
+the network.
 """
 
 from __future__ import annotations
@@ -29,6 +37,19 @@ class InlineExecutor(concurrent.futures.Executor):
         else:
             future.set_result(result)
         return future
+
+
+INLINE_BYTES = 1 << 20
+"""Work on at most this many encoded bytes runs on the calling thread (``submit``)."""
+
+_INLINE = InlineExecutor()
+
+
+def submit(
+    pool: concurrent.futures.Executor, inline: bool, fn: Callable[..., Any], /, *args: Any
+) -> concurrent.futures.Future:
+    """``fn(*args)`` on ``pool``, or at once on the calling thread when ``inline``."""
+    return (_INLINE if inline else pool).submit(fn, *args)
 
 
 def worker_pool(threads: int, name: str) -> concurrent.futures.Executor:

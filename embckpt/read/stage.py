@@ -35,7 +35,7 @@ from embckpt.codecs import Codec, codec_from_config
 from embckpt.cores import restore_threads
 from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
-from embckpt.read.pool import worker_pool
+from embckpt.read.pool import INLINE_BYTES, submit, worker_pool
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, RowGroupEntry
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
@@ -271,9 +271,7 @@ def stage(
                         with clock.time("plan"):
                             pruned = [coverage.prune(r) for r in reads if r.position == position]
                         todo = [r for r in pruned if r is not None]
-                        futures = [
-                            pool.submit(stage_blocks, store, f, clock) for f in _by_file(todo)
-                        ]
+                        futures = _submit_files(pool, store, _by_file(todo), clock)
                         submitted.extend((position, f) for f in futures)
                     for future in concurrent.futures.as_completed(futures):
                         staged, file_cost = future.result()
@@ -316,8 +314,25 @@ def _prefetch(
     for position in reversed(range(1, chain_length)):
         at = [r for r in reads if r.position == position]
         if at and sum(r.planned_bytes for r in at) <= BATCH_BYTES:
-            early[position] = [pool.submit(stage_blocks, store, f, clock) for f in _by_file(at)]
+            early[position] = _submit_files(pool, store, _by_file(at), clock)
     return early
+
+
+def _submit_files(
+    pool: concurrent.futures.Executor,
+    store: CheckpointStore,
+    files: Sequence[Sequence[FileRead]],
+    clock: PhaseClock,
+) -> list[concurrent.futures.Future]:
+    """:func:`stage_blocks` of each file: the large ones submitted to ``pool`` first, then
+    the small ones of a local disk staged on the calling thread (``pool.INLINE_BYTES``: a
+    local read does not wait, and a small file's work is mostly Python)."""
+
+    def inline(reads: Sequence[FileRead]) -> bool:
+        return store.is_local and sum(r.planned_bytes for r in reads) <= INLINE_BYTES
+
+    ordered = sorted(files, key=inline)
+    return [submit(pool, inline(f), stage_blocks, store, f, clock) for f in ordered]
 
 
 def _collect(

@@ -91,8 +91,8 @@ def load_parts(
         return parse_index(header, part, path)
 
     with collector_paused():
-        if len(todo) == 1:
-            found = [index_of(todo[0])]
+        if len(todo) == 1 or store.is_local:  # a local read does not wait: no thread helps
+            found = [index_of(rank) for rank in todo]
         else:  # one ranged read each: an object store answers them in parallel
             with ThreadPoolExecutor(min(PART_READERS, len(todo))) as pool:
                 found = list(pool.map(index_of, todo))

@@ -85,6 +85,7 @@ class TieredReadStore:
         uri: str,
     ) -> None:
         self.local = local
+        self.is_local = False  # reads may cross the network (a peer, the durable tier)
         self.by_step: dict[int, list[CheckpointStore]] = {}
         for (step, _), stores in local.items():
             known = self.by_step.setdefault(step, [])
