@@ -17,7 +17,7 @@ KERNEL_MODULES = (
     "uniform_kernels",
     "kmeans_kernels",
     "huffman_kernels",
-    "add_kernels",
+    "row_kernels",
 )
 
 

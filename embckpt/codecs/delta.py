@@ -221,13 +221,17 @@ class DeltaCodec(Codec):
             keys.append(self._row_keys(column, encoded.metadata, parts))
         out = np.zeros((sum(len(c) for c in columns), num_cols), dtype=np.float32)
         if len(out):
+            # Imported here: its compiled signatures load with the module (numba's start-up,
+            # which importing the codecs does not pay).
+            from embckpt.codecs import row_kernels
+
             offsets, buffer = binary_buffers(pa.concat_arrays(columns))
             key = np.concatenate(keys)
             for (bits, length, part), k in parts.items():
                 rows = np.flatnonzero(key == k)
                 if not len(rows):
                     continue
-                data = buffer[offsets[rows][:, None] + np.arange(length)]
+                data = row_kernels.gather_entries(buffer, offsets[rows], length)
                 if bits == RAW_BITS:
                     out[rows] = data.view("<f4")
                     continue

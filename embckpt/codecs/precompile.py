@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embckpt.codecs import add_kernels, make_codec
+from embckpt.codecs import make_codec, row_kernels
 from embckpt.errors import import_extra
 
 _ROWS, _COLS = 257, 16  # an odd row count: the tail paths of the packing loops too
@@ -70,7 +70,7 @@ def compile_uniform() -> None:
     encoded = delta.encode_delta(reference + 0.01 * _rows(2), reference)
     delta.decode(encoded, _COLS)
     for dtype in (np.float32, np.float64):  # delta rows added into a block (read/cells.py)
-        add_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
+        row_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
 
 
 def compile_kmeans_and_huffman() -> None:

@@ -87,9 +87,9 @@ def put_cells(
         else:
             # Imported here: its compiled signatures load with the module (numba's start-up,
             # a third of a second in a process that has decoded nothing yet).
-            from embckpt.codecs import add_kernels
+            from embckpt.codecs import row_kernels
 
-            add_kernels.add_rows(out, rows.numpy(), src)  # rows are unique: each added once
+            row_kernels.add_rows(out, rows.numpy(), src)  # rows are unique: each added once
         return
     values = values.to(dest.device, non_blocking=True)  # from page-locked memory: same stream
     if run:
