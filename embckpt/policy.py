@@ -28,9 +28,10 @@ checkpoint (weights and optimizer state, what ``dcp.save`` writes for them, and 
 (``benchmarks/restore_bound.py``): on the 2-core CPU of ``benchmarks/results/``, a 4-bit
 chain's restore time grows with its links (10 to 24 ms each on models of 0.08 to 0.7 GB)
 more than with its bytes, and a 4-bit full alone restores in 0.7x to 1.4x ``dcp.load``'s
-time (``benchmarks/family.py``), so no share keeps long chains within ``dcp.load`` there. 0.3 is the share the write goal
-needs (40x below fp32 where 5% of rows change per interval, ``benchmarks/family.py``); the
-restores it allows are measured there against ``dcp.load`` (``restore_vs_dcp_load``)."""
+time (``benchmarks/family.py``), so no share keeps long chains within ``dcp.load`` there. 0.3
+is the share the write goal needs (40x below fp32 where 5% of rows change per interval,
+``benchmarks/family.py``); the restores it allows are measured there against ``dcp.load``
+(``restore_vs_dcp_load``)."""
 
 
 class HistoryRecord(Protocol):

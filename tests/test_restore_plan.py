@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from embckpt.read import apply as apply_module
+from embckpt.read import stage as stage_module
 from embckpt.read.apply import apply_staged, read_into
 from embckpt.read.plan import plan_reads
+from embckpt.read.pool import INLINE_BYTES
 from embckpt.read.stage import stage
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
@@ -155,7 +158,9 @@ def _replay(written: list, shard: TableShard) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_newest_first_equals_chain_replay(tmp_path: Path, seed: int) -> None:
+def test_newest_first_equals_chain_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     length = int(rng.integers(1, 6))
     delta = seed % 3 == 2
@@ -165,7 +170,11 @@ def test_newest_first_equals_chain_replay(tmp_path: Path, seed: int) -> None:
     written = _write_chain(tmp_path, rng, length, codecs, group_rows=int(rng.integers(2, 6)))
     store = CheckpointStore(tmp_path)
     chain = read_chain(store, length)
-    for threads in (1, 3):
+    # One thread; three with the small files on the calling thread (the default); three with
+    # every file on the threads (as files above ``pool.INLINE_BYTES`` go).
+    for threads, inline_bytes in ((1, INLINE_BYTES), (3, INLINE_BYTES), (3, -1)):
+        monkeypatch.setattr(stage_module, "INLINE_BYTES", inline_bytes)
+        monkeypatch.setattr(apply_module, "INLINE_BYTES", inline_bytes)
         shards = _targets(rng)
         expected = [_replay(written, s) for s in shards]
         read_into(store, chain, shards, threads=threads)

@@ -9,8 +9,9 @@ thread the same buffers are given back (``heap.py``; measured in
 
 Small work (a chain's diffs: staging a few small files, decoding a few thousand rows) is mostly
 Python: on threads it waits for the GIL and pays a hand-over per task. Measured on the 2-core
-machine of ``benchmarks/results/`` (2 ranks, a 15-link chain of the test model): 6.4 ms per
-extra link with two threads per rank, 5.1 ms with the calling thread alone. Large work (a
+machine of ``benchmarks/results/`` (2 ranks, a 15-link chain of the test model, both ways side
+by side in one process, best of 40): 6.2 ms per extra link with every file on two threads per
+rank, 5.6 ms with the small ones on the calling thread. Large work (a
 full's row groups: Parquet and the codecs' kernels, which release the GIL) still goes to the
 threads, and so does fetching from a store that is not a local disk, where a thread waits on
 the network.
