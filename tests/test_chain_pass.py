@@ -262,3 +262,22 @@ def test_a_damaged_diff_fails_naming_it_and_every_staged_file_is_released(
     with pytest.raises(CheckpointCorruptError, match="delta.parquet"):
         read_into(store, read_chain(store, None), [_shard()], threads=3)
     assert balance["use"] > 0 and balance["use"] == balance["release"], balance
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_kernels_equal_numpy(dtype: type) -> None:
+    from embckpt.codecs import row_kernels
+
+    rng = np.random.default_rng(5)
+    block = rng.standard_normal((50, 12)).astype(dtype)
+    rows = np.sort(rng.choice(50, size=17, replace=False)).astype(np.int64)
+    values = rng.standard_normal((17, 5)).astype(dtype)
+    expected = block.copy()
+    expected[rows, 3:8] += values
+    row_kernels.add_rows(block[:, 3:8], rows, values)  # a column segment: a strided view
+    assert np.array_equal(block.view(np.uint8), expected.view(np.uint8))
+
+    data = np.frombuffer(rng.integers(0, 256, size=300, dtype=np.uint8).tobytes(), np.uint8)
+    starts = rng.integers(0, 290, size=9).astype(np.int64)  # a read-only buffer, as Arrow's
+    gathered = row_kernels.gather_entries(data, starts, 7)
+    assert np.array_equal(gathered, data[starts[:, None] + np.arange(7)])
