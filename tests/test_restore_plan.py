@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from embckpt.read import apply as apply_module
-from embckpt.read import stage as stage_module
+from embckpt.read import pool as pool_module
 from embckpt.read.apply import apply_staged, read_into
 from embckpt.read.plan import plan_reads
 from embckpt.read.pool import INLINE_BYTES
@@ -173,8 +172,7 @@ def test_newest_first_equals_chain_replay(
     # One thread; three with the small files on the calling thread (the default); three with
     # every file on the threads (as files above ``pool.INLINE_BYTES`` go).
     for threads, inline_bytes in ((1, INLINE_BYTES), (3, INLINE_BYTES), (3, -1)):
-        monkeypatch.setattr(stage_module, "INLINE_BYTES", inline_bytes)
-        monkeypatch.setattr(apply_module, "INLINE_BYTES", inline_bytes)
+        monkeypatch.setattr(pool_module, "INLINE_BYTES", inline_bytes)
         shards = _targets(rng)
         expected = [_replay(written, s) for s in shards]
         read_into(store, chain, shards, threads=threads)

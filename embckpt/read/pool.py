@@ -43,6 +43,13 @@ class InlineExecutor(concurrent.futures.Executor):
 INLINE_BYTES = 1 << 20
 """Work on at most this many encoded bytes runs on the calling thread (``submit``)."""
 
+
+def runs_here(encoded_bytes: int, local: bool = True) -> bool:
+    """Whether work on ``encoded_bytes`` runs on the calling thread: small, and read from a
+    local disk (``local``) or already in memory."""
+    return local and encoded_bytes <= INLINE_BYTES
+
+
 _INLINE = InlineExecutor()
 
 
