@@ -26,7 +26,8 @@ measured in this run, ours and DCP's interleaved on the same model:
   ``dcp.save`` / ``dcp.load`` of the model's state dict, best of ``--rounds`` interleaved;
   ``restore_vs_dcp_raw_full`` is the same restore, ``restore_vs_dcp_headline_chain`` the
   restore of the headline codecs' chain (adaptive 4-bit: a full and 5 incremental diffs, 10
-  training steps apart) against the same ``dcp.load``.
+  training steps apart) against the same ``dcp.load`` (``stall_dcp.py``: with each restore's
+  phases, and on a GPU whether the device decode gives the CPU decode's tables bit for bit).
 
     PYTHONPATH=/tmp/site:. python3 benchmarks/stall.py                 # the H100 model
     python benchmarks/stall.py --device cpu --rows 200000 --dim 64 --batch 2048   # CPU
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from common import write_result  # noqa: E402
+from stall_dcp import against_dcp  # noqa: E402
 from stall_lost import lost_phase  # noqa: E402
 
 
@@ -328,75 +330,6 @@ def overhead(train: Trainer, root: Path) -> dict[str, Any]:
     return out
 
 
-def against_dcp(train: Trainer, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Our full lossless save (waited) and restore against dcp.save / dcp.load, interleaved."""
-    import torch.distributed.checkpoint as dcp
-
-    from embckpt import CheckpointConfig, Checkpointer
-
-    out: dict[str, Any] = {}
-    ours_save, ours_restore, dcp_save, dcp_load, dcp_async = [], [], [], [], []
-    chain_restore = []
-    config = CheckpointConfig(policy="full", pipeline="off")
-    headline = CheckpointConfig(policy="incremental", full_every=0, codec="adaptive", bits=4)
-    for r in range(args.rounds):
-        folder = root / f"chain{r}"
-        with Checkpointer(train.model, str(folder), optimizer=train.opt, config=headline) as ckpt:
-            for link in range(6):
-                for _ in range(10):
-                    train.step()
-                ckpt.save(link + 1).wait()
-            train.sync()
-            started = time.perf_counter()
-            ckpt.restore()
-            train.sync()
-            chain_restore.append(time.perf_counter() - started)
-        shutil.rmtree(folder, ignore_errors=True)
-        folder = root / f"ours{r}"
-        train.step()
-        train.sync()
-        with Checkpointer(train.model, str(folder), optimizer=train.opt, config=config) as ckpt:
-            started = time.perf_counter()
-            ckpt.save(1).wait()
-            ours_save.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            ckpt.restore()
-            train.sync()
-            ours_restore.append(time.perf_counter() - started)
-        shutil.rmtree(folder, ignore_errors=True)
-        state = {"model": train.model.state_dict()}
-        folder = root / f"dcp{r}"
-        started = time.perf_counter()
-        dcp.save(state, checkpoint_id=str(folder))
-        dcp_save.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        dcp.load(state, checkpoint_id=str(folder))
-        train.sync()
-        dcp_load.append(time.perf_counter() - started)
-        shutil.rmtree(folder, ignore_errors=True)
-        try:  # its staging of TorchRec's ShardedTensors fails on some releases
-            started = time.perf_counter()
-            future = dcp.async_save(state, checkpoint_id=str(root / f"async{r}"))
-            dcp_async.append(time.perf_counter() - started)
-            future.result()
-        except Exception as exc:
-            out["dcp_async_save_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        shutil.rmtree(root / f"async{r}", ignore_errors=True)
-    out.update(
-        ours_save_s=ours_save,
-        ours_restore_s=ours_restore,
-        dcp_save_s=dcp_save,
-        dcp_load_s=dcp_load,
-        dcp_async_save_block_s=min(dcp_async) if dcp_async else None,
-        save_vs_dcp=min(ours_save) / min(dcp_save),
-        restore_vs_dcp=min(ours_restore) / min(dcp_load),
-        headline_chain_restore_s=chain_restore,
-        restore_vs_dcp_raw_full=min(ours_restore) / min(dcp_load),
-        restore_vs_dcp_headline_chain=min(chain_restore) / min(dcp_load),
-    )
-    return out
-
-
 def encode_gbps(model: Any) -> float | None:
     """The adaptive 4-bit device encoder's rate over one table's rows (None without it)."""
     try:
@@ -433,6 +366,8 @@ SUMMARY = (
     "restore_vs_dcp",
     "restore_vs_dcp_raw_full",
     "restore_vs_dcp_headline_chain",
+    "headline_chain_device_decode_exact",
+    "headline_chain_cpu_decode_restore_s",
 )
 
 

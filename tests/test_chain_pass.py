@@ -104,7 +104,7 @@ def _write_chain(
     return weights, states
 
 
-def _shard() -> TableShard:
+def _shard(device: str = "cpu") -> TableShard:
     return TableShard(
         "t",
         "t.weight",
@@ -113,8 +113,8 @@ def _shard() -> TableShard:
         0,
         ROWS,
         COLS,
-        torch.full((ROWS, COLS), 7.0),
-        row_states={STATE: torch.full((ROWS,), 3.0)},
+        torch.full((ROWS, COLS), 7.0, device=device),
+        row_states={STATE: torch.full((ROWS,), 3.0, device=device)},
     )
 
 

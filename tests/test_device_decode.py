@@ -114,11 +114,14 @@ def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
     assert on_device.weight.shape[0] == ROWS
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
+compiled_on_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not is_available(torch.device("cuda")) or INTERPRETED,
     reason="needs a CUDA device and triton, with its interpreter off",
 )
+
+
+@pytest.mark.gpu
+@compiled_on_cuda
 def test_cuda_kernel_decodes_as_the_cpu() -> None:
     cuda = torch.device("cuda")
     for name in CODECS:
@@ -128,6 +131,30 @@ def test_cuda_kernel_decodes_as_the_cpu() -> None:
                 for cols in (1, 16, 37, 64, 128):
                     rows = _rows(4096, cols, seed=cols, wide=param_dtype == "float32")
                     _assert_as_on_cpu(codec, rows, cuda)
+
+
+@pytest.mark.gpu
+@compiled_on_cuda
+def test_restore_into_cuda_blocks_writes_the_cpu_bytes(tmp_path: Path) -> None:
+    """The chain above restored into blocks on the GPU (its 4-bit rows cross as codes and
+    decode there, its diffs add there) holds the CPU restore's bytes, weights and row states."""
+    from test_chain_pass import STATE, _shard, _write_chain
+
+    from embckpt.read.apply import device_decodes, read_into
+    from embckpt.storage.chain import read_chain
+    from embckpt.storage.fs import CheckpointStore
+
+    _write_chain(tmp_path, links=3, seed=4, full_codec=make_codec("adaptive", {"bits": 4}))
+    store = CheckpointStore(tmp_path)
+    chain = read_chain(store, None)
+    plain = _shard()
+    read_into(store, chain, [plain], threads=2)
+    on_gpu = _shard("cuda")
+    assert device_decodes(make_codec("adaptive", {"bits": 4}), on_gpu.weight.device)
+    read_into(store, chain, [on_gpu], threads=2)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.weight.cpu().view(torch.int32), plain.weight.view(torch.int32))
+    assert torch.equal(on_gpu.row_states[STATE].cpu(), plain.row_states[STATE])
 
 
 def test_a_kernel_that_fails_turns_the_device_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
