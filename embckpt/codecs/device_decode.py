@@ -8,12 +8,13 @@ multiply-adds), so where a row was decoded never shows in the table.
 
 Contract: :func:`decode_on_device` returns the float32 rows on ``device``, or None where this
 path does not apply: codecs other than ``asymmetric``, ``symmetric`` and ``adaptive`` (a
-subclass may decode otherwise), Triton not importable, a device the kernels do not run on, or
-a Triton that failed to build or launch the kernel (logged once; the process then decodes on
-the CPU). The caller then decodes on the CPU. The fused bytes come from the codec's own
-reading of the column (``_payload_bytes``: Parquet's decompression, or Huffman coding, on the
-host), are copied into page-locked memory and cross asynchronously; the call returns once the
-kernel is queued on the current stream, which the caller's writes into the table follow.
+subclass may decode otherwise), 3-bit codes (``_SERVED_BITS``), Triton not importable, a
+device the kernels do not run on, or a Triton that failed to build or launch the kernel
+(logged once; the process then decodes on the CPU). The caller then decodes on the CPU. The
+fused bytes come from the codec's own reading of the column (``_payload_bytes``: Parquet's
+decompression, or Huffman coding, on the host), are copied into page-locked memory and cross
+asynchronously; the call returns once the kernel is queued on the current stream, which the
+caller's writes into the table follow.
 
 Test hook: with ``TRITON_INTERPRET=1`` in the environment when the kernels are first used,
 Triton's interpreter runs them on CPU tensors (see ``device_encode.py``).
@@ -37,6 +38,12 @@ from embckpt.errors import CodecError
 log = logging.getLogger(__name__)
 
 _SERVED = (AsymmetricCodec, SymmetricCodec, AdaptiveCodec)
+#: Code widths decoded on the device: those whose codes never straddle a byte. Run on an H200
+#: (Triton 3.6), the compiled kernel read 3-bit codes wrong where a row's columns fill the tile
+#: (16 and 64 columns: each group's 7th and 8th codes shifted as its 1st and 2nd), while the
+#: interpreter and every 2-, 4- and 8-bit case matched the CPU bit for bit; 3-bit rows decode on
+#: the CPU until a kernel for them has passed the ``gpu`` test.
+_SERVED_BITS = (2, 4, 8)
 _BLOCK = 64  # rows per program
 _INTERPRETED_BLOCK = 1024  # the interpreter's cost is per operation on a whole block
 
@@ -46,7 +53,12 @@ _failed: list[str] = []  # why the kernel could not run here (then the CPU decod
 
 def serves(codec: Codec, device: torch.device) -> bool:
     """Whether :func:`decode_on_device` decodes ``codec``'s rows on ``device``."""
-    return type(codec) in _SERVED and not _failed and is_available(device)
+    return (
+        type(codec) in _SERVED
+        and getattr(codec, "bits", None) in _SERVED_BITS
+        and not _failed
+        and is_available(device)
+    )
 
 
 def decode_on_device(
