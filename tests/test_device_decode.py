@@ -94,11 +94,13 @@ def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chain's 4-bit full (several row groups, whole runs of its block and masked rows) and
-    its diffs restored with the device path taken for CPU blocks (the interpreter) equals the
-    plain CPU restore, cell for cell."""
+    its diffs (the chain pass: whole rows decoded on the device, delta rows on the CPU)
+    restored with the device path taken for CPU blocks (the interpreter) equals the plain CPU
+    restore, cell for cell."""
     from test_chain_pass import ROWS, _shard, _write_chain
 
-    from embckpt.read import apply as apply_module
+    from embckpt.read import cells
+    from embckpt.read import chain_pass as chain_pass_module
     from embckpt.read.apply import read_into
     from embckpt.storage.chain import read_chain
     from embckpt.storage.fs import CheckpointStore
@@ -108,16 +110,22 @@ def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
     chain = read_chain(store, None)
     plain = _shard()
     read_into(store, chain, [plain], threads=2)
-    taken = []
+    taken, in_chain_pass = [], []
 
     def decodes(codec: Codec, device: torch.device) -> bool:
         taken.append(type(codec).__name__)
         return serves(codec, device)
 
-    monkeypatch.setattr(apply_module, "device_decodes", decodes)
+    def counted(*args: object) -> torch.Tensor | None:
+        in_chain_pass.append(args[0])
+        return decode_on_device(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cells, "device_decodes", decodes)
+    monkeypatch.setattr(chain_pass_module, "decode_on_device", counted)
     on_device = _shard()
     read_into(store, chain, [on_device], threads=2)
     assert "AdaptiveCodec" in taken
+    assert len(in_chain_pass) == 3  # each diff's whole rows (the full's decode in apply.py)
     assert torch.equal(on_device.weight.view(torch.int32), plain.weight.view(torch.int32))
     assert on_device.weight.shape[0] == ROWS
 
@@ -152,7 +160,8 @@ def test_restore_into_cuda_blocks_writes_the_cpu_bytes(tmp_path: Path) -> None:
     decode there, its diffs add there) holds the CPU restore's bytes, weights and row states."""
     from test_chain_pass import STATE, _shard, _write_chain
 
-    from embckpt.read.apply import device_decodes, read_into
+    from embckpt.read.apply import read_into
+    from embckpt.read.cells import device_decodes
     from embckpt.storage.chain import read_chain
     from embckpt.storage.fs import CheckpointStore
 

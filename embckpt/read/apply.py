@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from embckpt.blocks import TableShard
-from embckpt.codecs.base import Codec
-from embckpt.codecs.device_decode import decode_on_device, serves
+from embckpt.codecs.device_decode import decode_on_device
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
+from embckpt.read import cells
 from embckpt.read.cells import (
     RowStateRows,
     WrittenRows,
@@ -231,7 +231,7 @@ class _Decoded:
     the block: raw weights stay a read-only view of the batch's bytes
     (``RawCodec.decode_view``) that ``put_cells`` copies; quantized ones that fill a run of the
     block whole are decoded straight into it (``weights`` None: already written); for a block
-    on a GPU quantized rows decode there (``device_decodes``)."""
+    on a GPU quantized rows decode there (``cells.device_decodes``)."""
 
     weights: torch.Tensor | np.ndarray | None
     elem_states: dict[str, torch.Tensor]
@@ -250,7 +250,7 @@ class _Decoded:
             written = decode_on_device(codec, batch.encoded, cols, device, into) is not None
         elif isinstance(codec, UniformCodec) and into is not None:
             written = codec.decode_into(batch.encoded, cols, into)
-        elif device_decodes(codec, device):  # the codes cross to the device, not floats
+        elif cells.device_decodes(codec, device):  # the codes cross to the device, not floats
             weights = decode_on_device(codec, batch.encoded, cols, device)
         elif isinstance(codec, RawCodec):
             weights = codec.decode_view(batch.encoded, cols)
@@ -261,12 +261,6 @@ class _Decoded:
             {n: staged.state_codec.decode(e, cols) for n, e in batch.elem_states.items()},
             row_state_values(batch, staged.state_codec),
         )
-
-
-def device_decodes(codec: Codec, device: torch.device) -> bool:
-    """Whether rows of ``codec`` for a block on ``device`` decode there: quantized rows for a
-    GPU, whose codes then cross instead of their floats (``codecs/device_decode.py``)."""
-    return device.type == "cuda" and serves(codec, device)
 
 
 def _whole_run(
@@ -290,7 +284,7 @@ def _whole_run(
         or not weight.is_contiguous()
     ):
         return None
-    on_device = device_decodes(staged.codec, weight.device)
+    on_device = cells.device_decodes(staged.codec, weight.device)
     if weight.device.type != "cpu" and not on_device:
         return None
     first = int(batch.rows[0]) - shard.row_offset

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from embckpt.blocks import TableShard
+from embckpt.codecs.base import Codec
+from embckpt.codecs.device_decode import serves
 
 
 @dataclass
@@ -46,7 +48,14 @@ def take(
         return span if mask is None else span[mask]
     if span.device.type == "cpu":  # numpy: no intra-op threads (module doc)
         return torch.from_numpy(as_numpy(span)[mask]).view(span.dtype)
-    return span[torch.from_numpy(mask).to(span.device)]
+    # Indices, not a boolean mask: a mask's count would make the host wait for the device.
+    return span.index_select(0, to_device(np.flatnonzero(mask), span.device))
+
+
+def device_decodes(codec: Codec, device: torch.device) -> bool:
+    """Whether rows of ``codec`` for a block on ``device`` decode there: quantized rows for a
+    GPU, whose codes then cross instead of their floats (``codecs/device_decode.py``)."""
+    return device.type == "cuda" and serves(codec, device)
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -91,7 +100,7 @@ def put_cells(
 
             row_kernels.add_rows(out, rows.numpy(), src)  # rows are unique: each added once
         return
-    values = values.to(dest.device, non_blocking=True)  # from page-locked memory: same stream
+    values = to_device(values, dest.device)
     if run:
         span = target[first : first + count]
         if add:
@@ -99,9 +108,22 @@ def put_cells(
         else:
             span.copy_(values)
     elif add:
-        target.index_add_(0, rows.to(dest.device), values)
+        target.index_add_(0, to_device(rows, dest.device), values)
     else:
-        target.index_copy_(0, rows.to(dest.device), values)
+        target.index_copy_(0, to_device(rows, dest.device), values)
+
+
+def to_device(values: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device``; for a GPU through page-locked memory, queued on the current
+    stream: a copy from pageable memory would make the host wait for the work queued before
+    it (the decode kernels, other blocks' writes) at every batch."""
+    if device.type != "cuda":
+        return values.to(device) if isinstance(values, torch.Tensor) else torch.from_numpy(values)
+    if isinstance(values, np.ndarray):
+        values = _host_copy(values, device)
+    elif values.device.type == "cpu" and not values.is_pinned():
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
 
 
 def _host_copy(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -143,8 +165,8 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
                 if target.device.type == "cpu":
                     as_numpy(target)[p.local_rows] = as_numpy(values)
                 else:
-                    rows = torch.from_numpy(p.local_rows).to(target.device)
-                    target.index_copy_(0, rows, values.to(target.device))
+                    rows = to_device(p.local_rows, target.device)
+                    target.index_copy_(0, rows, to_device(values, target.device))
             continue
         # Integer weights and float64 sums: equal source values average back to themselves.
         total = torch.zeros(shard.num_rows, dtype=torch.float64)
@@ -155,4 +177,5 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
             total.index_add_(0, rows, torch.tensor(p.values[name]).double() * overlap)
             weight.index_add_(0, rows, torch.full((len(rows),), overlap, dtype=torch.float64))
         held = torch.nonzero(weight > 0).squeeze(1)
-        target.index_copy_(0, held.to(target.device), (total[held] / weight[held]).to(target))
+        mean = (total[held] / weight[held]).to(target.dtype)
+        target.index_copy_(0, to_device(held, target.device), to_device(mean, target.device))

@@ -5,7 +5,8 @@ per width of each delta file, masks cut per decoded batch, a write per file and 
 segment) whatever its bytes: about 11 ms per link on a 2-core machine. Here the diff files of
 one block along the whole chain are decoded together (``Codec.decode_many``: one decode per
 width and metadata, not per file), then written at once: one write of every replacing cell,
-then one addition per checkpoint, in chain order.
+then one addition per checkpoint, in chain order. For a block on a GPU, quantized rows decode
+there (``cells.device_decodes``), as in ``apply.py``.
 
 Exactness: the same float operations in the same order as file by file. After
 ``Coverage``'s masks, a cell is replaced by at most one diff (the newest replacing one), and
@@ -32,7 +33,9 @@ import torch
 
 from embckpt.blocks import TableShard
 from embckpt.codecs.base import Codec, EncodedRows
-from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
+from embckpt.codecs.device_decode import decode_on_device
+from embckpt.read import cells
+from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take, to_device
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -151,11 +154,30 @@ def _decode_grouped(
     out: list[torch.Tensor] = [torch.empty(0)] * len(loaded)
     for members in groups.values():
         first = loaded[members[0]].file
+        codec, cols = codec_of(first), first.read.entry.shard_cols
         items = [encoded_of(loaded[i].batch) for i in members]
-        decoded = codec_of(first).decode_many(items, first.read.entry.shard_cols)
+        decoded = _on_device(codec, items, cols, first.read.targets[0].weight.device)
+        if decoded is None:
+            decoded = codec.decode_many(items, cols)
         for i, values in zip(members, decoded, strict=True):
             out[i] = values
     return out
+
+
+def _on_device(
+    codec: Codec, items: list[EncodedRows], cols: int, device: torch.device
+) -> list[torch.Tensor] | None:
+    """The rows decoded on the block's device, their codes crossing instead of their floats
+    (``cells.device_decodes``); None where they decode on the CPU."""
+    if not cells.device_decodes(codec, device):
+        return None
+    decoded = []
+    for encoded in items:
+        values = decode_on_device(codec, encoded, cols, device)
+        if values is None:  # the kernel failed (logged): the device path is off from here
+            return None
+        decoded.append(values)
+    return decoded
 
 
 def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tensor]]:
@@ -249,7 +271,11 @@ def _put(
         order = np.argsort(rows, kind="stable")
         rows = rows[order]
         # In the block's dtype, as put_cells would convert them (mixed codecs, mixed dtypes).
-        parts = [as_numpy(c.values.to(dest.dtype)) for c in found]
-        values = torch.from_numpy(np.concatenate(parts)[order]).view(dest.dtype)
+        if dest.device.type == "cpu":
+            parts = [as_numpy(c.values.to(dest.dtype)) for c in found]
+            values = torch.from_numpy(np.concatenate(parts)[order]).view(dest.dtype)
+        else:  # rows decoded on the device stay there; the others cross once
+            parts_on = [to_device(c.values.to(dest.dtype), dest.device) for c in found]
+            values = torch.cat(parts_on).index_select(0, to_device(order, dest.device))
     target = WrittenRows(shard, torch.from_numpy(rows), lo, hi, True)
     put_cells(target, values, dest, add)
