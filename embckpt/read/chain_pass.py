@@ -91,7 +91,8 @@ def apply_block_chain(
         for chunk in _chunks(files):
             started = time.perf_counter()
             loaded = [_load(file) for file in chunk if _keep(file).gives()]
-            weights = _decode_grouped(loaded, lambda f: f.codec, lambda b: b.encoded)
+            device = files[0].read.targets[0].weight.device
+            weights = _decode_grouped(loaded, lambda f: f.codec, lambda b: b.encoded, device)
             elem = _decode_elem_states(loaded)
             row_states = [row_state_values(x.batch, x.file.state_codec) for x in loaded]
             clock.add("decode", time.perf_counter() - started)
@@ -144,8 +145,11 @@ def _decode_grouped(
     loaded: Sequence[_Loaded],
     codec_of: Callable[[StagedFile], Codec],
     encoded_of: Callable[[RowBatch], EncodedRows],
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
-    """Each file's decoded rows, the files of one codec (and width) decoded as one."""
+    """Each file's decoded rows, the files of one codec (and width) decoded as one; on
+    ``device`` (the weights' block's) where its rows decode there, as in ``apply.py``, which
+    decodes element-wise states on the CPU."""
     groups: dict[str, list[int]] = {}
     for i, item in enumerate(loaded):
         config = codec_of(item.file).get_config()
@@ -156,7 +160,7 @@ def _decode_grouped(
         first = loaded[members[0]].file
         codec, cols = codec_of(first), first.read.entry.shard_cols
         items = [encoded_of(loaded[i].batch) for i in members]
-        decoded = _on_device(codec, items, cols, first.read.targets[0].weight.device)
+        decoded = None if device is None else _on_device(codec, items, cols, device)
         if decoded is None:
             decoded = codec.decode_many(items, cols)
         for i, values in zip(members, decoded, strict=True):
