@@ -38,7 +38,7 @@ from embckpt.read.cells import (
 )
 from embckpt.read.chain_pass import apply_block_chain, chain_blocks
 from embckpt.read.plan import Keep, plan_reads
-from embckpt.read.pool import runs_here, submit, worker_pool
+from embckpt.read.pool import runs_here, submit_all, worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
@@ -105,20 +105,22 @@ def apply_staged(
                 wave.sort(key=lambda f: -f.read.planned_bytes)
                 tasks = _FileTasks(wave, threads)
                 run = functools.partial(tasks.run, clock=clock)
-                futures = [
-                    submit(pool, runs_here(file.read.planned_bytes), run, task)
-                    for file, task in zip(tasks.files, tasks.tasks, strict=True)
-                ]
+                futures = submit_all(
+                    pool,
+                    [
+                        (runs_here(file.read.planned_bytes), run, (task,))
+                        for file, task in zip(tasks.files, tasks.tasks, strict=True)
+                    ],
+                )
                 for file, future in zip(tasks.files, futures, strict=True):
                     weights, row_states = future.result()
                     written.extend(weights)
                     states.setdefault(file.read.position, []).extend(row_states)
             # Other blocks than the waves': written after them or beside them alike.
-            blocks.sort(key=lambda fs: runs_here(_encoded_bytes(fs)))
-            chain_futures = [
-                submit(pool, runs_here(_encoded_bytes(fs)), apply_block_chain, fs, clock)
-                for fs in blocks
-            ]
+            chain_futures = submit_all(
+                pool,
+                [(runs_here(_encoded_bytes(fs)), apply_block_chain, (fs, clock)) for fs in blocks],
+            )
             for future in chain_futures:
                 weights, found = future.result()
                 written.extend(weights)

@@ -20,7 +20,7 @@ the network.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -53,11 +53,18 @@ def runs_here(encoded_bytes: int, local: bool = True) -> bool:
 _INLINE = InlineExecutor()
 
 
-def submit(
-    pool: concurrent.futures.Executor, inline: bool, fn: Callable[..., Any], /, *args: Any
-) -> concurrent.futures.Future:
-    """``fn(*args)`` on ``pool``, or at once on the calling thread when ``inline``."""
-    return (_INLINE if inline else pool).submit(fn, *args)
+def submit_all(
+    pool: concurrent.futures.Executor, tasks: Sequence[tuple[bool, Callable[..., Any], tuple]]
+) -> list[concurrent.futures.Future]:
+    """Each task ``(inline, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling thread
+    where ``inline``. The pool's are submitted first, so that they run while the calling thread
+    works through its own; the futures come back in the tasks' order."""
+    futures: list[concurrent.futures.Future | None] = [None] * len(tasks)
+    for here in (False, True):
+        for i, (inline, fn, args) in enumerate(tasks):
+            if inline == here:
+                futures[i] = (_INLINE if inline else pool).submit(fn, *args)
+    return [f for f in futures if f is not None]
 
 
 def worker_pool(threads: int, name: str) -> concurrent.futures.Executor:
