@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from common import write_result  # noqa: E402
-from stall_dcp import against_dcp  # noqa: E402
+from stall_dcp import against_dcp, live_state  # noqa: E402
 from stall_lost import lost_phase  # noqa: E402
 
 
@@ -267,12 +267,6 @@ def exactness(train: Trainer, root: Path) -> dict[str, Any]:
     """A full and a diff saved while training goes on restore to the state at their steps,
     bit for bit (the copy-on-write window on this device)."""
     from embckpt import Checkpointer
-    from embckpt.sharding import discover
-
-    def state() -> list[torch.Tensor]:
-        train.sync()
-        shards = discover(train.model).shards
-        return [t.detach().cpu() for s in shards for t in (s.weight, *s.row_states.values())]
 
     found = {}
     with Checkpointer(train.model, str(root / "exact"), optimizer=train.opt) as ckpt:
@@ -280,7 +274,7 @@ def exactness(train: Trainer, root: Path) -> dict[str, Any]:
         for step in (10, 20):
             for _ in range(10):
                 train.step()
-            expected[step] = state()
+            expected[step] = live_state(train)
             handle = ckpt.save(step)
             for _ in range(10):  # the window: these steps update rows being copied
                 train.step()
@@ -288,7 +282,7 @@ def exactness(train: Trainer, root: Path) -> dict[str, Any]:
         for step in (20, 10):
             ckpt.restore(step, discard_newer=step == 10)
             found[step] = all(
-                torch.equal(a, b) for a, b in zip(expected[step], state(), strict=True)
+                torch.equal(a, b) for a, b in zip(expected[step], live_state(train), strict=True)
             )
     shutil.rmtree(root / "exact", ignore_errors=True)
     return {"exact_full_step_10": found[10], "exact_diff_step_20": found[20]}
