@@ -18,7 +18,12 @@ if not torch.cuda.is_available():  # conftest.py turned it on already, before tr
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from embckpt.codecs import Codec, make_codec  # noqa: E402
-from embckpt.codecs.device_decode import decode_on_device, serves  # noqa: E402
+from embckpt.codecs.delta import RAW_BITS, DeltaCodec  # noqa: E402
+from embckpt.codecs.device_decode import (  # noqa: E402
+    decode_many_on_device,
+    decode_on_device,
+    serves,
+)
 from embckpt.codecs.device_encode import is_available  # noqa: E402
 from embckpt.errors import CodecError  # noqa: E402
 
@@ -73,6 +78,63 @@ def test_interpreted_kernel_decodes_as_the_cpu(name: str) -> None:
                     assert _assert_as_on_cpu(codec, rows, cpu)
 
 
+def _changes(cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live rows and their reference whose changes take every width a delta has: none, 2 to
+    8 bits, and raw (constant live rows leave no error budget)."""
+    g = torch.Generator().manual_seed(seed)
+    reference = torch.randn(300, cols, generator=g)
+    live = reference + torch.randn(300, cols, generator=g) * torch.logspace(-7, 1, 300)[:, None]
+    live[::10] = 0.25
+    return live, reference
+
+
+def _assert_deltas_as_on_cpu(param_dtype: str, cols: int, device: torch.device) -> None:
+    """A diff's changes, in three batches decoded as one, equal the CPU's bit for bit; every
+    width is among them (3-bit groups decode on the CPU inside the device path)."""
+    codec = DeltaCodec({"id": "adaptive", "bits": 4, "param_dtype": param_dtype})
+    items = [codec.encode_delta(*_changes(cols, seed)) for seed in range(3)]
+    sizes, groups = codec.width_groups(items)
+    widths = {g.bits for g in groups}
+    assert {2, 4, 8, RAW_BITS} <= widths and (cols < 16 or 3 in widths)  # 3 packs as 4 below
+    assert sum(len(g.rows) for g in groups) < sum(sizes)  # width-0 rows too
+    expected = codec.decode_many(items, cols)
+    got = decode_many_on_device(codec, items, cols, device)
+    assert got is not None and len(got) == 3
+    for a, b in zip(got, expected, strict=True):
+        assert a.device.type == device.type
+        assert torch.equal(a.cpu().view(torch.int32), b.view(torch.int32)), (param_dtype, cols)
+    single = decode_on_device(codec, items[1], cols, device)
+    assert single is not None and torch.equal(single.cpu(), expected[1])
+
+
+@interpreted
+def test_interpreted_delta_changes_decode_as_the_cpu() -> None:
+    for param_dtype in ("float16", "float32"):
+        for cols in (3, 16, 37):
+            _assert_deltas_as_on_cpu(param_dtype, cols, torch.device("cpu"))
+
+
+@interpreted
+def test_warm_compiles_every_width_a_delta_codec_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's codec of deltas (the default for quantizers) warms its whole rows' kernel and
+    every served width of its changes, both parameter dtypes; a plain codec only its own."""
+    from embckpt.codecs import device_decode
+
+    seen: list[tuple[int, str, int]] = []
+
+    def recorded(codec: Codec, encoded: object, cols: int, device: torch.device) -> None:
+        seen.append((codec.bits, codec.get_config()["param_dtype"], cols))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(device_decode, "decode_on_device", recorded)
+    cpu = torch.device("cpu")
+    device_decode.warm(make_codec("delta", {"inner": {"id": "adaptive", "bits": 4}}), [8, 8], cpu)
+    dtypes = ("float16", "float32")
+    assert sorted(seen) == sorted((b, d, 8) for b in (2, 4, 8) for d in dtypes)
+    seen.clear()
+    device_decode.warm(make_codec("symmetric", {"bits": 8}), [3, 16], cpu)
+    assert sorted(seen) == sorted((8, d, c) for d in dtypes for c in (3, 16))
+
+
 @interpreted
 def test_decodes_into_a_run_of_a_block_and_declines_other_codecs() -> None:
     cpu = torch.device("cpu")
@@ -84,6 +146,7 @@ def test_decodes_into_a_run_of_a_block_and_declines_other_codecs() -> None:
     assert (block[:4] == 5).all() and (block[24:] == 5).all()
     declined = [make_codec(other) for other in ("raw", "log8", "kmeans")]
     declined += [make_codec(name, {"bits": 3}) for name in CODECS]
+    declined += [make_codec("delta", {"inner": {"id": "kmeans", "bits": 4}})]
     for plain in declined:
         assert not serves(plain, cpu)
         assert decode_on_device(plain, plain.encode(rows), 8, cpu) is None
@@ -94,9 +157,9 @@ def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chain's 4-bit full (several row groups, whole runs of its block and masked rows) and
-    its diffs (the chain pass: whole rows decoded on the device, delta rows on the CPU)
-    restored with the device path taken for CPU blocks (the interpreter) equals the plain CPU
-    restore, cell for cell."""
+    its diffs (the chain pass: whole rows and delta changes decoded on the device), restored
+    with the device path taken for CPU blocks (the interpreter), equals the plain CPU restore,
+    cell for cell."""
     from test_chain_pass import ROWS, _shard, _write_chain
 
     from embckpt.read import cells
@@ -116,16 +179,18 @@ def test_restore_decoding_on_the_device_writes_the_cpu_bytes(
         taken.append(type(codec).__name__)
         return serves(codec, device)
 
-    def counted(*args: object) -> torch.Tensor | None:
-        in_chain_pass.append(args[0])
-        return decode_on_device(*args)  # type: ignore[arg-type]
+    def counted(*args: object) -> list[torch.Tensor] | None:
+        in_chain_pass.append(type(args[0]).__name__)
+        return decode_many_on_device(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cells, "device_decodes", decodes)
-    monkeypatch.setattr(chain_pass_module, "decode_on_device", counted)
+    monkeypatch.setattr(chain_pass_module, "decode_many_on_device", counted)
     on_device = _shard()
     read_into(store, chain, [on_device], threads=2)
     assert "AdaptiveCodec" in taken
-    assert len(in_chain_pass) == 3  # each diff's whole rows (the full's decode in apply.py)
+    # The diffs' whole rows and their changes, each kind as one group along the chain (the
+    # full decodes in apply.py).
+    assert sorted(in_chain_pass) == ["AdaptiveCodec", "DeltaCodec"]
     assert torch.equal(on_device.weight.view(torch.int32), plain.weight.view(torch.int32))
     assert on_device.weight.shape[0] == ROWS
 
@@ -151,6 +216,14 @@ def test_cuda_kernel_decodes_as_the_cpu() -> None:
                     rows = _rows(4096, cols, seed=cols, wide=param_dtype == "float32")
                     checked += _assert_as_on_cpu(codec, rows, cuda)
     assert checked == len(CODECS) * len(BITS) * 2 * 7 - 2  # symmetric fp16 refuses 1 column
+
+
+@pytest.mark.gpu
+@compiled_on_cuda
+def test_cuda_delta_changes_decode_as_the_cpu() -> None:
+    for param_dtype in ("float16", "float32"):
+        for cols in (3, 16, 37, 64, 128):
+            _assert_deltas_as_on_cpu(param_dtype, cols, torch.device("cuda"))
 
 
 @pytest.mark.gpu

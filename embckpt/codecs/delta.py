@@ -74,6 +74,20 @@ class SplitRows:
     whole_rows: np.ndarray
 
 
+@dataclass(frozen=True)
+class WidthGroup:
+    """The rows of a batch (or of several) whose change is coded at one width."""
+
+    bits: int  # a code width of the inner codec, or RAW_BITS
+    rows: np.ndarray  # positions among the batch's rows, ascending
+    data: np.ndarray  # uint8 [len(rows), entry length]: each row's payload entry
+    part: str  # the inner codec's metadata (JSON) for this width
+
+    def inner(self) -> EncodedRows:
+        """The rows as the inner codec's batch at ``bits`` (not for ``RAW_BITS``)."""
+        return EncodedRows({PAYLOAD: fixed_binary_column(self.data)}, json.loads(self.part))
+
+
 @register
 class DeltaCodec(Codec):
     """Per-row-width deltas of a quantizing codec, within the whole-row error budget.
@@ -107,7 +121,7 @@ class DeltaCodec(Codec):
     def _options(self) -> dict[str, Any]:
         return {"inner": self.inner, "entropy": self.entropy, "bits": self.bits}
 
-    def _width_codec(self, bits: int) -> Codec:
+    def width_codec(self, bits: int) -> Codec:
         """The inner codec at ``bits``, entropy stage off (the column is compressed whole)."""
         codec = self._widths.get(bits)
         if codec is None:
@@ -155,7 +169,7 @@ class DeltaCodec(Codec):
         """Each row's narrowest width among 0 and ``widths`` within budget: the groups (rows,
         payload bytes, inner metadata) by width, and the rows none of them holds."""
         n, cols = x.shape
-        budget = _squared_error(self._width_codec(self.bits), x, cols)
+        budget = _squared_error(self.width_codec(self.bits), x, cols)
         width = np.full(n, -1, dtype=np.int64)
         width[(_sq_norm(change) <= budget).cpu().numpy()] = 0
         groups: dict[int, tuple[np.ndarray, np.ndarray, dict[str, Any]]] = {}
@@ -164,7 +178,7 @@ class DeltaCodec(Codec):
             todo = np.flatnonzero(width < 0)
             if not len(todo) or bits not in widths:
                 continue
-            codec = self._width_codec(bits)
+            codec = self.width_codec(bits)
             index = torch.from_numpy(todo).to(x.device)
             part = change.index_select(0, index)
             encoded = codec.encode(part)
@@ -209,6 +223,25 @@ class DeltaCodec(Codec):
         """Decodes the batches (a block's diffs along a chain) with one inner decode per width
         and inner metadata over all of them: a long chain of small diffs pays per width, not
         per file."""
+        sizes, groups = self.width_groups(items)
+        out = np.zeros((sum(sizes), num_cols), dtype=np.float32)
+        for group in groups:
+            if group.bits == RAW_BITS:
+                out[group.rows] = group.data.view("<f4")
+            else:
+                width = self.width_codec(group.bits)
+                out[group.rows] = width.decode(group.inner(), num_cols).float().numpy()
+        return list(torch.split(torch.from_numpy(out), sizes))
+
+    def width_groups(self, items: Sequence[EncodedRows]) -> tuple[list[int], list[WidthGroup]]:
+        """The rows of ``items`` (counted over all of them, in order) of each width and inner
+        metadata, and each item's row count: what a decoder, on the CPU or a GPU
+        (``device_decode.py``), decodes one group at a time. Width-0 rows are in no group
+        (their change is zero).
+
+        Raises:
+            CodecError: a payload that is not a binary column, or a row matching no width.
+        """
         columns, keys = [], []
         parts: dict[tuple[int, int, str], int] = {}  # (bits, length, inner metadata) -> key
         for encoded in items:
@@ -219,26 +252,22 @@ class DeltaCodec(Codec):
                 raise CodecError("delta payload is not a binary column")
             columns.append(column.cast(pa.large_binary()))
             keys.append(self._row_keys(column, encoded.metadata, parts))
-        out = np.zeros((sum(len(c) for c in columns), num_cols), dtype=np.float32)
-        if len(out):
-            # Imported here: its compiled signatures load with the module (numba's start-up,
-            # which importing the codecs does not pay).
-            from embckpt.codecs import row_kernels
+        sizes = [len(c) for c in columns]
+        if not sum(sizes):
+            return sizes, []
+        # Imported here: its compiled signatures load with the module (numba's start-up,
+        # which importing the codecs does not pay).
+        from embckpt.codecs import row_kernels
 
-            offsets, buffer = binary_buffers(pa.concat_arrays(columns))
-            key = np.concatenate(keys)
-            for (bits, length, part), k in parts.items():
-                rows = np.flatnonzero(key == k)
-                if not len(rows):
-                    continue
+        offsets, buffer = binary_buffers(pa.concat_arrays(columns))
+        key = np.concatenate(keys)
+        groups = []
+        for (bits, length, part), k in parts.items():
+            rows = np.flatnonzero(key == k)
+            if len(rows):
                 data = row_kernels.gather_entries(buffer, offsets[rows], length)
-                if bits == RAW_BITS:
-                    out[rows] = data.view("<f4")
-                    continue
-                inner = EncodedRows({PAYLOAD: fixed_binary_column(data)}, json.loads(part))
-                out[rows] = self._width_codec(bits).decode(inner, num_cols).float().numpy()
-        decoded = torch.from_numpy(out)
-        return list(torch.split(decoded, [len(c) for c in columns]))
+                groups.append(WidthGroup(bits, rows, data, part))
+        return sizes, groups
 
     @staticmethod
     def _row_keys(

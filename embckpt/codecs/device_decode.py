@@ -8,7 +8,9 @@ multiply-adds), so where a row was decoded never shows in the table.
 
 Contract: :func:`decode_on_device` returns the float32 rows on ``device``, or None where this
 path does not apply: codecs other than ``asymmetric``, ``symmetric`` and ``adaptive`` (a
-subclass may decode otherwise), 3-bit codes (``_SERVED_BITS``), Triton not importable, a
+subclass may decode otherwise) and the ``delta`` codec of one of them (a diff's changes: each
+width group decodes as that width's codec, raw fp32 changes cross as they are, 3-bit groups
+decode on the CPU), 3-bit codes (``_SERVED_BITS``), Triton not importable, a
 device the kernels do not run on, or a Triton that failed to build or launch the kernel
 (logged once; the process then decodes on the CPU). The caller then decodes on the CPU. The
 fused bytes come from the codec's own reading of the column (``_payload_bytes``: Parquet's
@@ -22,16 +24,18 @@ Triton's interpreter runs them on CPU tensors (see ``device_encode.py``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from embckpt.codecs.adaptive import AdaptiveCodec
 from embckpt.codecs.base import Codec, EncodedRows, codec_from_config
+from embckpt.codecs.delta import RAW_BITS, DeltaCodec
 from embckpt.codecs.device_encode import _kernels, is_available
 from embckpt.codecs.packing import packed_width
+from embckpt.codecs.transfer import host_copy, to_device
 from embckpt.codecs.uniform import AsymmetricCodec, SymmetricCodec
 from embckpt.errors import CodecError
 
@@ -53,12 +57,52 @@ _failed: list[str] = []  # why the kernel could not run here (then the CPU decod
 
 def serves(codec: Codec, device: torch.device) -> bool:
     """Whether :func:`decode_on_device` decodes ``codec``'s rows on ``device``."""
-    return (
-        type(codec) in _SERVED
-        and getattr(codec, "bits", None) in _SERVED_BITS
-        and not _failed
-        and is_available(device)
-    )
+    if isinstance(codec, DeltaCodec):
+        served = type(codec.whole) in _SERVED
+    else:
+        served = type(codec) in _SERVED and getattr(codec, "bits", None) in _SERVED_BITS
+    return served and not _failed and is_available(device)
+
+
+def decode_many_on_device(
+    codec: Codec, items: Sequence[EncodedRows], num_cols: int, device: torch.device
+) -> list[torch.Tensor] | None:
+    """``codec.decode_many(items, num_cols)`` computed on ``device`` (a ``delta`` codec's
+    batches decoded as one: one kernel per width); None where the device path does not apply
+    (module doc)."""
+    if not serves(codec, device):
+        return None
+    if isinstance(codec, DeltaCodec):
+        return _deltas_on_device(codec, items, num_cols, device)
+    decoded = []
+    for encoded in items:
+        values = decode_on_device(codec, encoded, num_cols, device)
+        if values is None:  # the kernel failed (logged): the device path is off from here
+            return None
+        decoded.append(values)
+    return decoded
+
+
+def _deltas_on_device(
+    codec: DeltaCodec, items: Sequence[EncodedRows], num_cols: int, device: torch.device
+) -> list[torch.Tensor]:
+    """A diff's changes decoded on ``device``, as ``DeltaCodec.decode_many`` decodes them on
+    the CPU: zero for width-0 rows, each width group decoded by that width's codec (on the
+    CPU for 3-bit groups, whose floats cross), raw changes copied as they are."""
+    sizes, groups = codec.width_groups(items)
+    out = torch.zeros((sum(sizes), num_cols), dtype=torch.float32, device=device)
+    for group in groups:
+        if group.bits == RAW_BITS:
+            values = to_device(group.data.view("<f4"), device)
+        else:
+            width = codec.width_codec(group.bits)
+            inner = group.inner()
+            on_device = decode_on_device(width, inner, num_cols, device)
+            if on_device is None:
+                on_device = to_device(width.decode(inner, num_cols).float(), device)
+            values = on_device
+        out.index_copy_(0, to_device(group.rows, device), values)
+    return list(torch.split(out, sizes))
 
 
 def decode_on_device(
@@ -78,6 +122,9 @@ def decode_on_device(
     kernels = _kernels()
     if kernels is None or not serves(codec, device):
         return None
+    if isinstance(codec, DeltaCodec):
+        (values,) = _deltas_on_device(codec, [encoded], num_cols, device)
+        return values if out is None else out.copy_(values)
     assert isinstance(codec, AsymmetricCodec | SymmetricCodec)  # _SERVED
     dtype = encoded.metadata.get("param_dtype", "float16")
     if dtype not in ("float16", "float32"):
@@ -92,10 +139,7 @@ def decode_on_device(
         raise CodecError(f"{n} rows of {num_cols} cannot decode into {tuple(out.shape)}")
     if n == 0:
         return out
-    host = torch.from_numpy(np.ascontiguousarray(fused))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    codes = host.to(device, non_blocking=True)
+    codes = host_copy(fused, device).to(device, non_blocking=True)
     block = _INTERPRETED_BLOCK if kernels.INTERPRETED else _BLOCK
     try:
         kernels.decode_rows[(-(-n // block),)](
@@ -122,12 +166,16 @@ def decode_on_device(
 
 def warm(codec: Codec, widths: Sequence[int], device: torch.device) -> None:
     """Compiles the decode kernels rows of ``codec`` with ``widths`` columns take on
-    ``device`` (both parameter dtypes), so that a restore does not compile them mid-way."""
+    ``device`` (both parameter dtypes; for a ``delta`` codec its whole rows' and every code
+    width of its changes), so that a restore does not compile them mid-way."""
     if not serves(codec, device):
         return
+    base, bits = codec, [getattr(codec, "bits", 0)]
+    if isinstance(codec, DeltaCodec):
+        base, bits = codec.whole, list(_SERVED_BITS)
     generator = torch.Generator().manual_seed(0)  # the job's own RNG is left alone
-    for dtype in ("float16", "float32"):
-        variant = codec_from_config({**codec.get_config(), "param_dtype": dtype})
+    for dtype, width in itertools.product(("float16", "float32"), bits):
+        variant = codec_from_config({**base.get_config(), "param_dtype": dtype, "bits": width})
         for cols in sorted(set(widths)):
             rows = torch.randn(8, cols, generator=generator)
             decode_on_device(variant, variant.encode(rows), cols, device)

@@ -16,6 +16,7 @@ import torch
 from embckpt.blocks import TableShard
 from embckpt.codecs.base import Codec
 from embckpt.codecs.device_decode import serves
+from embckpt.codecs.transfer import host_copy, to_device
 
 
 @dataclass
@@ -84,7 +85,7 @@ def put_cells(
         if cpu_copy and values.dtype == as_numpy(target).dtype:
             _copy_rows(as_numpy(target), values, rows, run)
             return
-        values = _host_copy(values, dest.device)
+        values = host_copy(values, dest.device)
     values = values.to(dest.dtype)
     if cpu_copy:
         _copy_rows(as_numpy(target), as_numpy(values), rows, run)
@@ -111,30 +112,6 @@ def put_cells(
         target.index_add_(0, to_device(rows, dest.device), values)
     else:
         target.index_copy_(0, to_device(rows, dest.device), values)
-
-
-def to_device(values: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device``; for a GPU through page-locked memory, queued on the current
-    stream: a copy from pageable memory would make the host wait for the work queued before
-    it (the decode kernels, other blocks' writes) at every batch."""
-    if device.type != "cuda":
-        return values.to(device) if isinstance(values, torch.Tensor) else torch.from_numpy(values)
-    if isinstance(values, np.ndarray):
-        values = _host_copy(values, device)
-    elif values.device.type == "cpu" and not values.is_pinned():
-        values = values.pin_memory()
-    return values.to(device, non_blocking=True)
-
-
-def _host_copy(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor copy of read-only ``values``: page-locked for a GPU block, so that the copy
-    to the device is one DMA, not staged through pageable memory."""
-    if device.type != "cuda":
-        return torch.from_numpy(np.array(values))
-    dtype = torch.from_numpy(values[:0].copy()).dtype
-    host = torch.empty(values.shape, dtype=dtype, pin_memory=True)
-    host.numpy()[...] = values
-    return host
 
 
 def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:

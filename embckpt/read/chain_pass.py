@@ -33,9 +33,10 @@ import torch
 
 from embckpt.blocks import TableShard
 from embckpt.codecs.base import Codec, EncodedRows
-from embckpt.codecs.device_decode import decode_on_device
+from embckpt.codecs.device_decode import decode_many_on_device
+from embckpt.codecs.transfer import to_device
 from embckpt.read import cells
-from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take, to_device
+from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -160,28 +161,15 @@ def _decode_grouped(
         first = loaded[members[0]].file
         codec, cols = codec_of(first), first.read.entry.shard_cols
         items = [encoded_of(loaded[i].batch) for i in members]
-        decoded = None if device is None else _on_device(codec, items, cols, device)
+        decoded = None
+        if device is not None and cells.device_decodes(codec, device):
+            # The codes cross, not the floats; None where the kernel failed (logged).
+            decoded = decode_many_on_device(codec, items, cols, device)
         if decoded is None:
             decoded = codec.decode_many(items, cols)
         for i, values in zip(members, decoded, strict=True):
             out[i] = values
     return out
-
-
-def _on_device(
-    codec: Codec, items: list[EncodedRows], cols: int, device: torch.device
-) -> list[torch.Tensor] | None:
-    """The rows decoded on the block's device, their codes crossing instead of their floats
-    (``cells.device_decodes``); None where they decode on the CPU."""
-    if not cells.device_decodes(codec, device):
-        return None
-    decoded = []
-    for encoded in items:
-        values = decode_on_device(codec, encoded, cols, device)
-        if values is None:  # the kernel failed (logged): the device path is off from here
-            return None
-        decoded.append(values)
-    return decoded
 
 
 def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tensor]]:
