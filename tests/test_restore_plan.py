@@ -170,8 +170,9 @@ def test_newest_first_equals_chain_replay(
     store = CheckpointStore(tmp_path)
     chain = read_chain(store, length)
     # One thread; three with the small files on the calling thread (the default); three with
-    # every file on the threads (as files above ``pool.INLINE_BYTES`` go).
-    for threads, inline_bytes in ((1, INLINE_BYTES), (3, INLINE_BYTES), (3, -1)):
+    # the few smallest there and the rest on the threads (a budget of about one test file);
+    # three with every file on the threads (as files above ``pool.INLINE_BYTES`` go).
+    for threads, inline_bytes in ((1, INLINE_BYTES), (3, INLINE_BYTES), (3, 4096), (3, -1)):
         monkeypatch.setattr(pool_module, "INLINE_BYTES", inline_bytes)
         shards = _targets(rng)
         expected = [_replay(written, s) for s in shards]
@@ -179,6 +180,37 @@ def test_newest_first_equals_chain_replay(
         for shard, (weights, states) in zip(shards, expected, strict=True):
             assert np.array_equal(shard.weight.numpy().view(np.int32), weights.view(np.int32))
             assert np.array_equal(shard.row_states[STATE].numpy(), states), shard.key
+
+
+def test_small_tasks_run_here_up_to_the_budget_the_rest_on_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The calling thread takes the smallest tasks that may run there while they add up to at
+    most ``INLINE_BYTES``; the others, and those that may not, go to the pool; the futures
+    come back in the tasks' order, with a task's error kept in its future."""
+    import threading
+
+    monkeypatch.setattr(pool_module, "INLINE_BYTES", 100)
+
+    def where(name: str) -> tuple[str, bool]:
+        if name == "bad":
+            raise ValueError("bad task")
+        return name, threading.get_ident() == here
+
+    here = threading.get_ident()
+    sizes = {"a": 60, "b": 30, "c": 30, "d": 50, "remote": 10, "large": 500, "bad": 5}
+    tasks = [
+        (pool_module.runs_here(size, local=name != "remote"), where, (name,))
+        for name, size in sizes.items()
+    ]
+    with pool_module.worker_pool(2, "test") as pool:
+        futures = pool_module.submit_all(pool, tasks)
+        with pytest.raises(ValueError, match="bad task"):
+            futures[-1].result()
+        ran = dict(f.result() for f in futures[:-1])
+    assert list(ran) == ["a", "b", "c", "d", "remote", "large"]
+    # bad (5), b (30), c (30) fit in 100; d (50) and a (60) would not.
+    assert {name for name, inline in ran.items() if inline} == {"b", "c"}
 
 
 def test_row_groups_that_newer_diffs_replace_are_not_fetched(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The restore's worker threads, or none: with one thread asked for, the work runs on the
-calling thread; small work (``INLINE_BYTES``) runs there too.
+calling thread; small work (at most ``INLINE_BYTES`` in all) runs there too.
 
 A restore's buffers come from the allocator of the thread that decodes them. glibc gives each
 new thread an arena of its own, and ``malloc_trim`` cannot shrink the top of such an arena, so
@@ -41,28 +41,39 @@ class InlineExecutor(concurrent.futures.Executor):
 
 
 INLINE_BYTES = 1 << 20
-"""Work on at most this many encoded bytes runs on the calling thread (``submit``)."""
+"""Small work on at most this many encoded bytes in all runs on the calling thread
+(``submit_all``)."""
 
 
-def runs_here(encoded_bytes: int, local: bool = True) -> bool:
-    """Whether work on ``encoded_bytes`` runs on the calling thread: small, and read from a
-    local disk (``local``) or already in memory."""
-    return local and encoded_bytes <= INLINE_BYTES
+def runs_here(encoded_bytes: int, local: bool = True) -> int | None:
+    """The bytes of work that may run on the calling thread (small, and read from a local disk
+    (``local``) or already in memory), else None."""
+    return encoded_bytes if local and encoded_bytes <= INLINE_BYTES else None
 
 
 _INLINE = InlineExecutor()
 
 
 def submit_all(
-    pool: concurrent.futures.Executor, tasks: Sequence[tuple[bool, Callable[..., Any], tuple]]
+    pool: concurrent.futures.Executor,
+    tasks: Sequence[tuple[int | None, Callable[..., Any], tuple]],
 ) -> list[concurrent.futures.Future]:
-    """Each task ``(inline, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling thread
-    where ``inline``. The pool's are submitted first, so that they run while the calling thread
-    works through its own; the futures come back in the tasks' order."""
+    """Each task ``(inline_bytes, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling
+    thread for the smallest tasks that may run there (``inline_bytes``, from
+    :func:`runs_here`) while their bytes add up to at most ``INLINE_BYTES``. The pool's are
+    submitted first, so that they run while the calling thread works through its own; the
+    futures come back in the tasks' order."""
+    budget, here = INLINE_BYTES, set()
+    small = sorted((t[0], i) for i, t in enumerate(tasks) if t[0] is not None)
+    for size, i in small:
+        if size > budget:
+            break
+        budget -= size
+        here.add(i)
     futures: list[concurrent.futures.Future | None] = [None] * len(tasks)
-    for here in (False, True):
-        for i, (inline, fn, args) in enumerate(tasks):
-            if inline == here:
+    for inline in (False, True):
+        for i, (_, fn, args) in enumerate(tasks):
+            if (i in here) == inline:
                 futures[i] = (_INLINE if inline else pool).submit(fn, *args)
     return [f for f in futures if f is not None]
 
