@@ -4,9 +4,9 @@ Why: applied file by file (``apply.py``), each link of a chain cost its fixed wo
 per width of each delta file, masks cut per decoded batch, a write per file and column
 segment) whatever its bytes: about 11 ms per link on a 2-core machine. Here the diff files of
 one block along the whole chain are decoded together (``Codec.decode_many``: one decode per
-width and metadata, not per file), then written at once: one write of every replacing cell,
-then one addition per checkpoint, in chain order. For a block on a GPU, quantized rows decode
-there (``cells.device_decodes``), as in ``apply.py``.
+width and metadata, not per file), then written: every replacing cell, then the additions in
+chain order. For a block on a GPU, quantized rows decode there (``cells.device_decodes``), as
+in ``apply.py``.
 
 Exactness: the same float operations in the same order as file by file. After
 ``Coverage``'s masks, a cell is replaced by at most one diff (the newest replacing one), and
@@ -34,9 +34,8 @@ import torch
 from embckpt.blocks import TableShard
 from embckpt.codecs.base import Codec, EncodedRows
 from embckpt.codecs.device_decode import decode_many_on_device
-from embckpt.codecs.transfer import to_device
 from embckpt.read import cells
-from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
+from embckpt.read.cells import RowStateRows, WrittenRows, put_cells, take
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -237,37 +236,13 @@ def _row_states(item: _Loaded, values: dict[str, np.ndarray]) -> list[tuple[int,
 
 
 def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[_Cells]) -> None:
-    """Every replacing cell of a column segment at once, then the additions checkpoint by
-    checkpoint in chain order (``found`` is in chain order)."""
-    replacing = [c for c in found if not c.additive]
-    if replacing:
-        _put(shard, lo, hi, dest, replacing, add=False)
-    adding = [c for c in found if c.additive]
-    start = 0
-    while start < len(adding):
-        stop = start + 1
-        while stop < len(adding) and adding[stop].position == adding[start].position:
-            stop += 1
-        _put(shard, lo, hi, dest, adding[start:stop], add=True)
-        start = stop
-
-
-def _put(
-    shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[_Cells], add: bool
-) -> None:
-    """Writes (or adds) cells of disjoint rows as one ascending scatter."""
-    if len(found) == 1:
-        rows, values = found[0].rows, found[0].values
-    else:
-        rows = np.concatenate([c.rows for c in found])
-        order = np.argsort(rows, kind="stable")
-        rows = rows[order]
-        # In the block's dtype, as put_cells would convert them (mixed codecs, mixed dtypes).
-        if dest.device.type == "cpu":
-            parts = [as_numpy(c.values.to(dest.dtype)) for c in found]
-            values = torch.from_numpy(np.concatenate(parts)[order]).view(dest.dtype)
-        else:  # rows decoded on the device stay there; the others cross once
-            parts_on = [to_device(c.values.to(dest.dtype), dest.device) for c in found]
-            values = torch.cat(parts_on).index_select(0, to_device(order, dest.device))
-    target = WrittenRows(shard, torch.from_numpy(rows), lo, hi, True)
-    put_cells(target, values, dest, add)
+    """Every replacing cell of a column segment, then the additions in chain order (``found``
+    is in chain order), file by file: the files of one checkpoint give disjoint rows, so each
+    cell gets its one write or addition as a single scatter would give it. Joining them first
+    cost a copy and a reorder of every value: on the 2-core machine of ``benchmarks/results/``,
+    a third of the single-threaded restore of ``benchmarks/stall.py``'s chain on the CPU."""
+    for additive in (False, True):
+        for cell in found:
+            if cell.additive == additive:
+                target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
+                put_cells(target, cell.values, dest, add=additive)
