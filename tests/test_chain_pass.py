@@ -281,3 +281,39 @@ def test_row_kernels_equal_numpy(dtype: type) -> None:
     starts = rng.integers(0, 290, size=9).astype(np.int64)  # a read-only buffer, as Arrow's
     gathered = row_kernels.gather_entries(data, starts, 7)
     assert np.array_equal(gathered, data[starts[:, None] + np.arange(7)])
+
+
+def test_changes_by_width_group_add_as_the_dense_decode() -> None:
+    """A delta diff's changes added group by group (read/changes.py: picked rows, zero changes
+    without a buffer) leave the block's bytes as the dense decode added through a keep mask
+    does, -0.0 cells included (a zero change makes them +0.0 both ways)."""
+    from embckpt.read.changes import add_changes, decode_changes
+
+    rng = np.random.default_rng(9)
+    from embckpt.codecs.delta import DeltaCodec
+
+    delta = make_codec("delta", {"inner": {**INNER, "param_dtype": "float32"}})
+    assert isinstance(delta, DeltaCodec)
+    items = []
+    for n in (70, 45):
+        reference = torch.from_numpy(rng.standard_normal((n, COLS)).astype(np.float32))
+        scale = torch.logspace(-7, 1, n)[:, None]
+        live = reference + torch.randn(n, COLS, generator=torch.Generator().manual_seed(n)) * scale
+        live[::9] = 0.25  # no error budget: their change crosses raw
+        items.append(delta.encode_delta(live, reference))
+    dense = delta.decode_many(items, COLS)
+    sparse = decode_changes(delta, items, COLS)
+    widths = {g.bits for g in delta.width_groups(items)[1]}
+    assert len(widths) >= 3 and any(v is None for c in sparse for _, v in c.parts)
+    for i, (changes, values) in enumerate(zip(sparse, dense, strict=True)):
+        n = len(values)
+        span = slice(5, n - 3)  # the file's rows this block holds
+        mask = rng.random(span.stop - span.start) < 0.7
+        local = np.sort(rng.choice(200, size=span.stop - span.start, replace=False))
+        block = rng.standard_normal((200, COLS + 4)).astype(np.float32)
+        block[local[::4], 2:6] = -0.0
+        expected = block.copy()
+        kept = values[span][mask][:, 3:9].numpy()
+        expected[local[mask], 4:10] += kept
+        add_changes(changes, span, mask, local, block[:, 4:10], slice(3, 9))
+        assert np.array_equal(block.view(np.int32), expected.view(np.int32)), i

@@ -71,6 +71,9 @@ def compile_uniform() -> None:
     delta.decode(encoded, _COLS)
     for dtype in (np.float32, np.float64):  # delta rows added into a block (read/cells.py)
         row_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
+    block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes by width group
+    row_kernels.add_picked(block, rows, np.ones((3, _COLS), np.float32), rows)
+    row_kernels.add_zero(block, rows)
 
 
 def compile_kmeans_and_huffman() -> None:

@@ -1,5 +1,6 @@
 """Compiled loops that move whole rows: adding decoded rows into a block (how an additive
-codec's rows, a delta diff's, are applied) and gathering a binary column's entries of one
+codec's rows, a delta diff's, are applied: from a dense array, from picked rows of a width
+group's decoded values, or a zero change) and gathering a binary column's entries of one
 width (how the delta codec splits its rows by width before decoding them).
 
 Why kernels: numpy's ``out[rows] += values`` gathers the rows, adds, and scatters them back,
@@ -36,6 +37,33 @@ def add_rows(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
         row = rows[i]
         for j in range(values.shape[1]):
             out[row, j] += values[i, j]
+
+
+@njit(
+    ["void(float32[:, :], int64[:], float32[:, :], int64[:])"],
+    nogil=True,
+    cache=True,
+    error_model="numpy",
+)
+def add_picked(out: np.ndarray, rows: np.ndarray, values: np.ndarray, pick: np.ndarray) -> None:
+    """``out[rows[i]] += values[pick[i]]`` for each i (``rows`` unique): the rows a mask keeps
+    of a group's values, without copying them out first."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        src = pick[i]
+        for j in range(values.shape[1]):
+            out[row, j] += values[src, j]
+
+
+@njit(["void(float32[:, :], int64[:])"], nogil=True, cache=True, error_model="numpy")
+def add_zero(out: np.ndarray, rows: np.ndarray) -> None:
+    """``out[rows] += 0.0``: a zero change added as a dense one would be (a -0.0 becomes
+    +0.0, every other value stays), without a buffer of zeros."""
+    zero = np.float32(0.0)
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for j in range(out.shape[1]):
+            out[row, j] += zero
 
 
 @njit(

@@ -33,9 +33,11 @@ import torch
 
 from embckpt.blocks import TableShard
 from embckpt.codecs.base import Codec, EncodedRows
+from embckpt.codecs.delta import DeltaCodec
 from embckpt.codecs.device_decode import decode_many_on_device
 from embckpt.read import cells
-from embckpt.read.cells import RowStateRows, WrittenRows, put_cells, take
+from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
+from embckpt.read.changes import Changes, add_changes, decode_changes
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -72,12 +74,16 @@ class _Loaded:
 
 @dataclass
 class _Cells:
-    """Decoded cells one file gives one column segment of one field (weight or state)."""
+    """Decoded cells one file gives one column segment of one field (weight or state): its
+    kept rows' values, or a delta file's :class:`Changes` with where they go (``at``: the
+    file's span, its keep mask and its block-local rows)."""
 
     position: int
     additive: bool
     rows: np.ndarray  # block-local, ascending
-    values: torch.Tensor
+    values: torch.Tensor | Changes  # the kept rows (all of the file's columns), or all
+    in_file: slice  # the file's columns this segment takes
+    at: tuple[slice, np.ndarray | None, np.ndarray] | None = None
 
 
 def apply_block_chain(
@@ -91,15 +97,17 @@ def apply_block_chain(
         for chunk in _chunks(files):
             started = time.perf_counter()
             loaded = [_load(file) for file in chunk if _keep(file).gives()]
-            device = files[0].read.targets[0].weight.device
-            weights = _decode_grouped(loaded, lambda f: f.codec, lambda b: b.encoded, device)
+            weight = files[0].read.targets[0].weight
+            weights = _decode_grouped(
+                loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, _sparse(weight)
+            )
             elem = _decode_elem_states(loaded)
             row_states = [row_state_values(x.batch, x.file.state_codec) for x in loaded]
             clock.add("decode", time.perf_counter() - started)
             started = time.perf_counter()
             cells: dict[tuple[int, int, str | None], list[_Cells]] = {}
             for i, item in enumerate(loaded):
-                fields: dict[str | None, torch.Tensor] = {None: weights[i]}
+                fields: dict[str | None, torch.Tensor | Changes] = {None: weights[i]}
                 fields.update(elem[i])
                 written.extend(_gather(item, fields, cells))
                 states.extend(_row_states(item, row_states[i]))
@@ -141,29 +149,39 @@ def _load(file: StagedFile) -> _Loaded:
     return _Loaded(file, keep, batch, local)
 
 
+def _sparse(weight: torch.Tensor) -> bool:
+    """Whether a delta diff's changes to ``weight`` are added group by group (``changes.py``):
+    a float32 block on the CPU, which ``row_kernels`` adds into."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 def _decode_grouped(
     loaded: Sequence[_Loaded],
     codec_of: Callable[[StagedFile], Codec],
     encoded_of: Callable[[RowBatch], EncodedRows],
     device: torch.device | None = None,
-) -> list[torch.Tensor]:
+    sparse: bool = False,
+) -> list[torch.Tensor | Changes]:
     """Each file's decoded rows, the files of one codec (and width) decoded as one; on
     ``device`` (the weights' block's) where its rows decode there, as in ``apply.py``, which
-    decodes element-wise states on the CPU."""
+    decodes element-wise states on the CPU; a delta codec's as :class:`Changes` where
+    ``sparse``."""
     groups: dict[str, list[int]] = {}
     for i, item in enumerate(loaded):
         config = codec_of(item.file).get_config()
         key = json.dumps([config, item.file.read.entry.shard_cols], sort_keys=True)
         groups.setdefault(key, []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(loaded)
+    out: list[torch.Tensor | Changes] = [torch.empty(0)] * len(loaded)
     for members in groups.values():
         first = loaded[members[0]].file
         codec, cols = codec_of(first), first.read.entry.shard_cols
         items = [encoded_of(loaded[i].batch) for i in members]
-        decoded = None
+        decoded: Sequence[torch.Tensor | Changes] | None = None
         if device is not None and cells.device_decodes(codec, device):
             # The codes cross, not the floats; None where the kernel failed (logged).
             decoded = decode_many_on_device(codec, items, cols, device)
+        elif sparse and isinstance(codec, DeltaCodec):
+            decoded = decode_changes(codec, items, cols)
         if decoded is None:
             decoded = codec.decode_many(items, cols)
         for i, values in zip(members, decoded, strict=True):
@@ -171,9 +189,9 @@ def _decode_grouped(
     return out
 
 
-def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tensor]]:
+def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tensor | Changes]]:
     """Each file's decoded element-wise states, by name (each name decoded as one group)."""
-    out: list[dict[str, torch.Tensor]] = [{} for _ in loaded]
+    out: list[dict[str, torch.Tensor | Changes]] = [{} for _ in loaded]
     for name in sorted({n for x in loaded for n in x.batch.elem_states}):
         holders = [i for i, x in enumerate(loaded) if name in x.batch.elem_states]
         decoded = _decode_grouped(
@@ -192,7 +210,7 @@ def _elem_state(batch: RowBatch, name: str) -> EncodedRows:
 
 def _gather(
     item: _Loaded,
-    fields: dict[str | None, torch.Tensor],
+    fields: dict[str | None, torch.Tensor | Changes],
     cells: dict[tuple[int, int, str | None], list[_Cells]],
 ) -> list[WrittenRows]:
     """Adds the cells ``item`` still gives (its keep's masks) to ``cells``, per column
@@ -211,11 +229,15 @@ def _gather(
             if name is not None and name not in shard.elem_states:
                 continue
             codec = file.codec if name is None else file.state_codec
-            kept = take(values, span, mask)[:, in_file]
-            assert isinstance(kept, torch.Tensor)  # decoded rows are tensors
-            cells.setdefault((lo, hi, name), []).append(
-                _Cells(file.read.position, codec.additive, rows, kept)
-            )
+            position = file.read.position
+            if isinstance(values, Changes):  # added where the decoded groups lie
+                at = (span, mask, item.local)
+                found = _Cells(position, True, rows, values, in_file, at)
+            else:
+                kept = take(values, span, mask)
+                assert isinstance(kept, torch.Tensor)  # decoded rows are tensors
+                found = _Cells(position, codec.additive, rows, kept, in_file)
+            cells.setdefault((lo, hi, name), []).append(found)
     return written
 
 
@@ -243,6 +265,12 @@ def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[
     a third of the single-threaded restore of ``benchmarks/stall.py``'s chain on the CPU."""
     for additive in (False, True):
         for cell in found:
-            if cell.additive == additive:
-                target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
-                put_cells(target, cell.values, dest, add=additive)
+            if cell.additive != additive:
+                continue
+            if isinstance(cell.values, Changes):
+                assert cell.at is not None  # set with the changes (_gather)
+                columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
+                add_changes(cell.values, *cell.at, columns, cell.in_file)
+                continue
+            target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
+            put_cells(target, cell.values[:, cell.in_file], dest, add=additive)

@@ -1,0 +1,87 @@
+"""Restore: a ``delta`` diff's changes added into a CPU block width group by width group,
+without a dense buffer.
+
+Why: ``DeltaCodec.decode_many`` writes each file's changes into a fresh zeroed array, width-0
+rows included, which the chain pass copied again where a keep mask drops rows, then added:
+three passes over memory, the first one page faults on fresh pages. Here each width group still
+decodes once for all the files (the same decode, the same values), and the rows a block keeps
+are added from the group's values where they lie (``row_kernels.add_picked``); width-0 rows
+get their zero change added (``row_kernels.add_zero``: a -0.0 becomes +0.0, as the dense
+addition makes it). Each cell gets the same one float addition as before, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from embckpt.codecs.base import EncodedRows
+from embckpt.codecs.delta import RAW_BITS, DeltaCodec
+
+
+@dataclass
+class Changes:
+    """One file's decoded changes: per width group, the positions among the file's rows
+    (ascending) and their values (float32 [k, cols]; None: a zero change)."""
+
+    parts: list[tuple[np.ndarray, np.ndarray | None]]
+
+
+def decode_changes(codec: DeltaCodec, items: Sequence[EncodedRows], cols: int) -> list[Changes]:
+    """The changes of each of ``items``, one decode per width group over all of them."""
+    sizes, groups = codec.width_groups(items)
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    covered = np.zeros(int(starts[-1]), dtype=bool)
+    decoded: list[tuple[np.ndarray, np.ndarray | None]] = []
+    for group in groups:
+        covered[group.rows] = True
+        values: np.ndarray | None
+        if group.bits == RAW_BITS:
+            values = group.data.view("<f4")
+        else:
+            width = codec.width_codec(group.bits)
+            values = width.decode(group.inner(), cols).float().numpy()
+        decoded.append((group.rows, values))
+    decoded.append((np.flatnonzero(~covered), None))
+    out = []
+    for first, last in zip(starts[:-1], starts[1:], strict=True):
+        parts: list[tuple[np.ndarray, np.ndarray | None]] = []
+        for rows, values in decoded:
+            a, b = np.searchsorted(rows, [first, last])
+            if b > a:
+                parts.append((rows[a:b] - first, None if values is None else values[a:b]))
+        out.append(Changes(parts))
+    return out
+
+
+def add_changes(
+    changes: Changes,
+    span: slice,
+    mask: np.ndarray | None,
+    local: np.ndarray,
+    out: np.ndarray,
+    in_file: slice,
+) -> None:
+    """Adds into ``out`` (a float32 block's columns) the changes of the file's rows
+    ``span`` that ``mask`` (over ``span``; None: all) keeps, at their block-local rows
+    ``local`` (over ``span``), of the file's columns ``in_file``."""
+    # Imported here: its compiled signatures load with the module (numba's start-up, a third
+    # of a second in a process that has decoded nothing yet).
+    from embckpt.codecs import row_kernels
+
+    for positions, values in changes.parts:
+        a, b = np.searchsorted(positions, [span.start, span.stop])
+        at = positions[a:b] - span.start
+        pick = np.arange(a, b, dtype=np.int64)
+        if mask is not None:
+            kept = mask[at]
+            at, pick = at[kept], pick[kept]
+        if not len(at):
+            continue
+        rows = np.ascontiguousarray(local[at], dtype=np.int64)
+        if values is None:
+            row_kernels.add_zero(out, rows)
+        else:
+            row_kernels.add_picked(out, rows, values[:, in_file], pick)
