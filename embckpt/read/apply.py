@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from embckpt.blocks import TableShard
+from embckpt.codecs.delta import DeltaCodec
 from embckpt.codecs.device_decode import decode_on_device
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
@@ -37,6 +38,7 @@ from embckpt.read.cells import (
     take,
 )
 from embckpt.read.chain_pass import apply_block_chain, chain_blocks
+from embckpt.read.changes import Changes, add_changes, adds_by_group, decode_changes
 from embckpt.read.plan import Keep, plan_reads
 from embckpt.read.pool import runs_here, submit_all, worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
@@ -235,7 +237,7 @@ class _Decoded:
     block whole are decoded straight into it (``weights`` None: already written); for a block
     on a GPU quantized rows decode there (``cells.device_decodes``)."""
 
-    weights: torch.Tensor | np.ndarray | None
+    weights: torch.Tensor | np.ndarray | Changes | None
     elem_states: dict[str, torch.Tensor]
     row_states: dict[str, np.ndarray]
 
@@ -246,9 +248,13 @@ class _Decoded:
         cols = staged.read.entry.shard_cols
         codec = staged.codec
         device = staged.read.targets[0].weight.device
-        weights: torch.Tensor | np.ndarray | None = None
+        weights: torch.Tensor | np.ndarray | Changes | None = None
         written = False
-        if isinstance(into, torch.Tensor):  # a run of a block where the rows decode
+        if isinstance(codec, DeltaCodec) and all(
+            adds_by_group(t.weight) for t in staged.read.targets
+        ):  # added where each width group's values lie (changes.py)
+            (weights,) = decode_changes(codec, [batch.encoded], cols)
+        elif isinstance(into, torch.Tensor):  # a run of a block where the rows decode
             written = decode_on_device(codec, batch.encoded, cols, device, into) is not None
         elif isinstance(codec, UniformCodec) and into is not None:
             written = codec.decode_into(batch.encoded, cols, into)
@@ -319,7 +325,12 @@ def _write_cells(
             staged.read.from_diff,
         )
         in_file = slice(col_lo - entry.col_offset, col_hi - entry.col_offset)
-        if decoded.weights is not None:  # else decoded in place (_whole_run)
+        if isinstance(decoded.weights, Changes):
+            columns = as_numpy(shard.weight)[
+                :, col_lo - shard.col_offset : col_hi - shard.col_offset
+            ]
+            add_changes(decoded.weights, overlap.in_batch, kept, local, columns, in_file)
+        elif decoded.weights is not None:  # else decoded in place (_whole_run)
             values = take(decoded.weights, overlap.in_batch, kept)[:, in_file]
             put_cells(rows, values, shard.weight, staged.codec.additive)
         for name, state in decoded.elem_states.items():

@@ -37,7 +37,7 @@ from embckpt.codecs.delta import DeltaCodec
 from embckpt.codecs.device_decode import decode_many_on_device
 from embckpt.read import cells
 from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
-from embckpt.read.changes import Changes, add_changes, decode_changes
+from embckpt.read.changes import Changes, add_changes, adds_by_group, decode_changes
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -99,7 +99,7 @@ def apply_block_chain(
             loaded = [_load(file) for file in chunk if _keep(file).gives()]
             weight = files[0].read.targets[0].weight
             weights = _decode_grouped(
-                loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, _sparse(weight)
+                loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, adds_by_group(weight)
             )
             elem = _decode_elem_states(loaded)
             row_states = [row_state_values(x.batch, x.file.state_codec) for x in loaded]
@@ -147,12 +147,6 @@ def _load(file: StagedFile) -> _Loaded:
     shard = file.read.targets[0]
     local = batch.rows[keep.first : keep.last] - shard.row_offset
     return _Loaded(file, keep, batch, local)
-
-
-def _sparse(weight: torch.Tensor) -> bool:
-    """Whether a delta diff's changes to ``weight`` are added group by group (``changes.py``):
-    a float32 block on the CPU, which ``row_kernels`` adds into."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def _decode_grouped(

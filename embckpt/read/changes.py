@@ -16,9 +16,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from embckpt.codecs.base import EncodedRows
 from embckpt.codecs.delta import RAW_BITS, DeltaCodec
+
+
+def adds_by_group(weight: torch.Tensor) -> bool:
+    """Whether a delta diff's changes to ``weight`` are added group by group: a float32 block
+    on the CPU, which ``row_kernels`` adds into."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 @dataclass
