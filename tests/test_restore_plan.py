@@ -170,8 +170,10 @@ def test_newest_first_equals_chain_replay(
     store = CheckpointStore(tmp_path)
     chain = read_chain(store, length)
     # One thread; three with the small files on the calling thread (the default); three with
-    # the few smallest there and the rest on the threads (a budget of about one test file);
-    # three with every file on the threads (as files above ``pool.INLINE_BYTES`` go).
+    # the few smallest there and the rest on the threads (a budget of about one test file,
+    # with cores to spare); three with every file on the threads (as files above
+    # ``pool.INLINE_BYTES`` go).
+    monkeypatch.setattr(pool_module, "rank_cores", lambda: 2)
     for threads, inline_bytes in ((1, INLINE_BYTES), (3, INLINE_BYTES), (3, 4096), (3, -1)):
         monkeypatch.setattr(pool_module, "INLINE_BYTES", inline_bytes)
         shards = _targets(rng)
@@ -191,6 +193,7 @@ def test_small_tasks_run_here_up_to_the_budget_the_rest_on_the_pool(
     import threading
 
     monkeypatch.setattr(pool_module, "INLINE_BYTES", 100)
+    monkeypatch.setattr(pool_module, "rank_cores", lambda: 2)  # cores to spare: the budget holds
 
     def where(name: str) -> tuple[str, bool]:
         if name == "bad":
@@ -211,6 +214,11 @@ def test_small_tasks_run_here_up_to_the_budget_the_rest_on_the_pool(
     assert list(ran) == ["a", "b", "c", "d", "remote", "large"]
     # bad (5), b (30), c (30) fit in 100; d (50) and a (60) would not.
     assert {name for name, inline in ran.items() if inline} == {"b", "c"}
+    monkeypatch.setattr(pool_module, "rank_cores", lambda: 1)
+    with pool_module.worker_pool(2, "test") as pool:
+        futures = pool_module.submit_all(pool, tasks)
+        ran = dict(f.result() for f in futures[:-1])
+    assert {name for name, inline in ran.items() if inline} == {"a", "b", "c", "d"}
 
 
 def test_row_groups_that_newer_diffs_replace_are_not_fetched(tmp_path: Path) -> None:

@@ -20,8 +20,11 @@ the network.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from embckpt.cores import rank_cores
 
 
 class InlineExecutor(concurrent.futures.Executor):
@@ -41,8 +44,8 @@ class InlineExecutor(concurrent.futures.Executor):
 
 
 INLINE_BYTES = 1 << 20
-"""Small work on at most this many encoded bytes in all runs on the calling thread
-(``submit_all``)."""
+"""Small work on at most this many encoded bytes in all runs on the calling thread where the
+rank has more than one core (``submit_all``)."""
 
 
 def runs_here(encoded_bytes: int, local: bool = True) -> int | None:
@@ -60,10 +63,11 @@ def submit_all(
 ) -> list[concurrent.futures.Future]:
     """Each task ``(inline_bytes, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling
     thread for the smallest tasks that may run there (``inline_bytes``, from
-    :func:`runs_here`) while their bytes add up to at most ``INLINE_BYTES``. The pool's are
+    :func:`runs_here`) while their bytes add up to at most ``INLINE_BYTES`` (all of them on
+    one core per rank: module doc). The pool's are
     submitted first, so that they run while the calling thread works through its own; the
     futures come back in the tasks' order."""
-    budget, here = INLINE_BYTES, set()
+    budget, here = (INLINE_BYTES if rank_cores() > 1 else math.inf), set()
     small = sorted((t[0], i) for i, t in enumerate(tasks) if t[0] is not None)
     for size, i in small:
         if size > budget:
