@@ -287,11 +287,10 @@ def test_changes_by_width_group_add_as_the_dense_decode() -> None:
     """A delta diff's changes added group by group (read/changes.py: picked rows, zero changes
     without a buffer) leave the block's bytes as the dense decode added through a keep mask
     does, -0.0 cells included (a zero change makes them +0.0 both ways)."""
+    from embckpt.codecs.delta import DeltaCodec
     from embckpt.read.changes import add_changes, decode_changes
 
     rng = np.random.default_rng(9)
-    from embckpt.codecs.delta import DeltaCodec
-
     delta = make_codec("delta", {"inner": {**INNER, "param_dtype": "float32"}})
     assert isinstance(delta, DeltaCodec)
     items = []

@@ -187,9 +187,10 @@ def test_newest_first_equals_chain_replay(
 def test_small_tasks_run_here_up_to_the_budget_the_rest_on_the_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The calling thread takes the smallest tasks that may run there while they add up to at
-    most ``INLINE_BYTES``; the others, and those that may not, go to the pool; the futures
-    come back in the tasks' order, with a task's error kept in its future."""
+    """With cores to spare, the calling thread takes the smallest tasks that may run there
+    while they add up to at most ``INLINE_BYTES``; the others, and those that may not, go to
+    the pool; with one core per rank it takes every small one. The futures come back in the
+    tasks' order, with a task's error kept in its future."""
     import threading
 
     monkeypatch.setattr(pool_module, "INLINE_BYTES", 100)

@@ -1,5 +1,5 @@
 """The restore's worker threads, or none: with one thread asked for, the work runs on the
-calling thread; small work (at most ``INLINE_BYTES`` in all) runs there too.
+calling thread; small work (``INLINE_BYTES``) runs there too.
 
 A restore's buffers come from the allocator of the thread that decodes them. glibc gives each
 new thread an arena of its own, and ``malloc_trim`` cannot shrink the top of such an arena, so
@@ -64,9 +64,8 @@ def submit_all(
     """Each task ``(inline_bytes, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling
     thread for the smallest tasks that may run there (``inline_bytes``, from
     :func:`runs_here`) while their bytes add up to at most ``INLINE_BYTES`` (all of them on
-    one core per rank: module doc). The pool's are
-    submitted first, so that they run while the calling thread works through its own; the
-    futures come back in the tasks' order."""
+    one core per rank: module doc). The pool's are submitted first, so that they run while
+    the calling thread works through its own; the futures come back in the tasks' order."""
     budget, here = (INLINE_BYTES if rank_cores() > 1 else math.inf), set()
     small = sorted((t[0], i) for i, t in enumerate(tasks) if t[0] is not None)
     for size, i in small:
