@@ -204,7 +204,7 @@ def test_small_tasks_run_here_up_to_the_budget_the_rest_on_the_pool(
     here = threading.get_ident()
     sizes = {"a": 60, "b": 30, "c": 30, "d": 50, "remote": 10, "large": 500, "bad": 5}
     tasks = [
-        (pool_module.runs_here(size, local=name != "remote"), where, (name,))
+        (pool_module.inline_size(size, local=name != "remote"), where, (name,))
         for name, size in sizes.items()
     ]
     with pool_module.worker_pool(2, "test") as pool:

@@ -226,12 +226,15 @@ class DeltaCodec(Codec):
         sizes, groups = self.width_groups(items)
         out = np.zeros((sum(sizes), num_cols), dtype=np.float32)
         for group in groups:
-            if group.bits == RAW_BITS:
-                out[group.rows] = group.data.view("<f4")
-            else:
-                width = self.width_codec(group.bits)
-                out[group.rows] = width.decode(group.inner(), num_cols).float().numpy()
+            out[group.rows] = self.decode_group(group, num_cols)
         return list(torch.split(torch.from_numpy(out), sizes))
+
+    def decode_group(self, group: WidthGroup, num_cols: int) -> np.ndarray:
+        """One width group's changes, float32 [len(group.rows), num_cols], on the CPU: the raw
+        ones as stored, the others decoded by that width's codec."""
+        if group.bits == RAW_BITS:
+            return group.data.view("<f4")
+        return self.width_codec(group.bits).decode(group.inner(), num_cols).float().numpy()
 
     def width_groups(self, items: Sequence[EncodedRows]) -> tuple[list[int], list[WidthGroup]]:
         """The rows of ``items`` (counted over all of them, in order) of each width and inner

@@ -92,15 +92,12 @@ def _deltas_on_device(
     sizes, groups = codec.width_groups(items)
     out = torch.zeros((sum(sizes), num_cols), dtype=torch.float32, device=device)
     for group in groups:
-        if group.bits == RAW_BITS:
-            values = to_device(group.data.view("<f4"), device)
-        else:
+        values = None
+        if group.bits != RAW_BITS:
             width = codec.width_codec(group.bits)
-            inner = group.inner()
-            on_device = decode_on_device(width, inner, num_cols, device)
-            if on_device is None:
-                on_device = to_device(width.decode(inner, num_cols).float(), device)
-            values = on_device
+            values = decode_on_device(width, group.inner(), num_cols, device)
+        if values is None:  # raw changes, and 3-bit ones: from the CPU
+            values = to_device(codec.decode_group(group, num_cols), device)
         out.index_copy_(0, to_device(group.rows, device), values)
     return list(torch.split(out, sizes))
 

@@ -40,7 +40,7 @@ from embckpt.read.cells import (
 from embckpt.read.chain_pass import apply_block_chain, chain_blocks
 from embckpt.read.changes import Changes, add_changes, adds_by_group, decode_changes
 from embckpt.read.plan import Keep, plan_reads
-from embckpt.read.pool import runs_here, submit_all, worker_pool
+from embckpt.read.pool import inline_size, submit_all, worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import Manifest
@@ -103,14 +103,14 @@ def apply_staged(
         with worker_pool(threads, "embckpt-apply") as pool:
             for wave in waves:
                 # Largest first, so that the last file to finish is a small one; the small
-                # ones run on this thread meanwhile (pool.runs_here).
+                # ones run on this thread meanwhile (pool.inline_size).
                 wave.sort(key=lambda f: -f.read.planned_bytes)
                 tasks = _FileTasks(wave, threads)
                 run = functools.partial(tasks.run, clock=clock)
                 futures = submit_all(
                     pool,
                     [
-                        (runs_here(file.read.planned_bytes), run, (task,))
+                        (inline_size(file.read.planned_bytes), run, (task,))
                         for file, task in zip(tasks.files, tasks.tasks, strict=True)
                     ],
                 )
@@ -121,7 +121,10 @@ def apply_staged(
             # Other blocks than the waves': written after them or beside them alike.
             chain_futures = submit_all(
                 pool,
-                [(runs_here(_encoded_bytes(fs)), apply_block_chain, (fs, clock)) for fs in blocks],
+                [
+                    (inline_size(_encoded_bytes(files)), apply_block_chain, (files, clock))
+                    for files in blocks
+                ],
             )
             for future in chain_futures:
                 weights, found = future.result()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from embckpt.codecs.base import EncodedRows
-from embckpt.codecs.delta import RAW_BITS, DeltaCodec
+from embckpt.codecs.delta import DeltaCodec
 
 
 def adds_by_group(weight: torch.Tensor) -> bool:
@@ -44,13 +44,7 @@ def decode_changes(codec: DeltaCodec, items: Sequence[EncodedRows], cols: int) -
     decoded: list[tuple[np.ndarray, np.ndarray | None]] = []
     for group in groups:
         covered[group.rows] = True
-        values: np.ndarray | None
-        if group.bits == RAW_BITS:
-            values = group.data.view("<f4")
-        else:
-            width = codec.width_codec(group.bits)
-            values = width.decode(group.inner(), cols).float().numpy()
-        decoded.append((group.rows, values))
+        decoded.append((group.rows, codec.decode_group(group, cols)))
     decoded.append((np.flatnonzero(~covered), None))
     out = []
     for first, last in zip(starts[:-1], starts[1:], strict=True):

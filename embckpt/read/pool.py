@@ -48,9 +48,10 @@ INLINE_BYTES = 1 << 20
 rank has more than one core (``submit_all``)."""
 
 
-def runs_here(encoded_bytes: int, local: bool = True) -> int | None:
-    """The bytes of work that may run on the calling thread (small, and read from a local disk
-    (``local``) or already in memory), else None."""
+def inline_size(encoded_bytes: int, local: bool = True) -> int | None:
+    """``encoded_bytes`` where work on them may run on the calling thread (small, and read
+    from a local disk (``local``) or already in memory), else None: what
+    :func:`submit_all` weighs against its budget."""
     return encoded_bytes if local and encoded_bytes <= INLINE_BYTES else None
 
 
@@ -63,7 +64,7 @@ def submit_all(
 ) -> list[concurrent.futures.Future]:
     """Each task ``(inline_bytes, fn, args)``: ``fn(*args)`` on ``pool``, or on the calling
     thread for the smallest tasks that may run there (``inline_bytes``, from
-    :func:`runs_here`) while their bytes add up to at most ``INLINE_BYTES`` (all of them on
+    :func:`inline_size`) while their bytes add up to at most ``INLINE_BYTES`` (all of them on
     one core per rank: module doc). The pool's are submitted first, so that they run while
     the calling thread works through its own; the futures come back in the tasks' order."""
     budget, here = (INLINE_BYTES if rank_cores() > 1 else math.inf), set()

@@ -35,7 +35,7 @@ from embckpt.codecs import Codec, codec_from_config
 from embckpt.cores import restore_threads
 from embckpt.errors import CheckpointCorruptError
 from embckpt.read.plan import Coverage, FileRead, Keep
-from embckpt.read.pool import runs_here, submit_all, worker_pool
+from embckpt.read.pool import inline_size, submit_all, worker_pool
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, RowGroupEntry
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
@@ -325,13 +325,13 @@ def _submit_files(
     clock: PhaseClock,
 ) -> list[concurrent.futures.Future]:
     """:func:`stage_blocks` of each file: the large ones on ``pool``, the small ones of a
-    local disk on the calling thread (``pool.runs_here``: a local read does not wait, and a
+    local disk on the calling thread (``pool.inline_size``: a local read does not wait, and a
     small file's work is mostly Python)."""
     return submit_all(
         pool,
         [
             (
-                runs_here(sum(r.planned_bytes for r in reads), store.is_local),
+                inline_size(sum(r.planned_bytes for r in reads), store.is_local),
                 stage_blocks,
                 (store, reads, clock),
             )
