@@ -1,6 +1,7 @@
 """A chain restore reads each rows file once: one fetch (footer checked and parsed once, each
 row group checked once) for every block it serves, one Parquet read of a small file's rows,
-and its source closed once, after the last block applied. Raw rows are applied from the
+and its source closed once, after the last block applied; a file read group by group
+builds one Parquet reader for all its reads. Raw rows are applied from the
 file's bytes without a decoded copy."""
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
     opened: Counter[tuple[int, str]] = Counter()
     reads: Counter[int] = Counter()
     closed: Counter[int] = Counter()
-    open_rows, parquet, release = (
+    open_rows, new_reader, release = (
         CheckpointStore.open_rows,
-        FetchedFile.parquet,
+        FetchedFile._new_reader,
         FetchedFile.release,
     )
 
@@ -39,9 +40,16 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
         opened[(step, entry.path)] += 1
         return open_rows(self, step, entry, *args)
 
-    def counted_parquet(self: FetchedFile) -> Any:
-        reads[id(self)] += 1
-        return parquet(self)
+    def counted_reader(self: FetchedFile) -> Any:
+        reader = new_reader(self)
+        read = reader.read_row_groups
+
+        def counted_read(*args: Any, **kwargs: Any) -> Any:
+            reads[id(self)] += 1
+            return read(*args, **kwargs)
+
+        reader.read_row_groups = counted_read
+        return reader
 
     def counted_release(self: FetchedFile) -> None:
         had_source = self.source is not None
@@ -50,7 +58,7 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
             closed[id(self)] += 1
 
     monkeypatch.setattr(CheckpointStore, "open_rows", counted_open)
-    monkeypatch.setattr(FetchedFile, "parquet", counted_parquet)
+    monkeypatch.setattr(FetchedFile, "_new_reader", counted_reader)
     monkeypatch.setattr(FetchedFile, "release", counted_release)
     rebuilt = reconstruct(root, STEPS[-1], threads=2)
 
@@ -61,6 +69,44 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
     assert len(opened) < len([e for e in entries if e in opened])  # ...for several blocks
     assert len(closed) == len(opened) and set(closed.values()) == {1}, closed
     assert set(reads.values()) == {1}, reads  # the files are small: one Parquet read each
+    truth = assemble([w["at_save"] for w in written])
+    for key, weight in rebuilt.tables.items():
+        table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))
+        np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
+
+
+def test_a_large_file_read_block_by_block_builds_its_parquet_reader_once(
+    packed_run: tuple[Path, list[dict]],  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Files read group by group (none small here) reuse one Parquet reader across their
+    blocks' row-id and row reads, and still restore every weight exactly."""
+    from embckpt.read.export import reconstruct
+    from embckpt.storage import rowfile_ranges
+    from embckpt.storage.rowfile_ranges import FetchedFile
+
+    root, written = packed_run
+    built: Counter[int] = Counter()
+    reads: Counter[int] = Counter()
+    new_reader = FetchedFile._new_reader
+
+    def counted_reader(self: FetchedFile) -> Any:
+        built[id(self)] += 1
+        reader = new_reader(self)
+        read = reader.read_row_groups
+
+        def counted_read(*args: Any, **kwargs: Any) -> Any:
+            reads[id(self)] += 1
+            return read(*args, **kwargs)
+
+        reader.read_row_groups = counted_read
+        return reader
+
+    monkeypatch.setattr(rowfile_ranges, "SMALL_BYTES", -1)
+    monkeypatch.setattr(FetchedFile, "_new_reader", counted_reader)
+    rebuilt = reconstruct(root, STEPS[-1], threads=1)
+    assert built and set(built.values()) == {1}, built  # one reader per file...
+    assert sum(reads.values()) > 2 * len(built), reads  # ...for its row ids and rows, per block
     truth = assemble([w["at_save"] for w in written])
     for key, weight in rebuilt.tables.items():
         table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))

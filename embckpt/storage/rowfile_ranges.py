@@ -7,9 +7,10 @@ groups fetched once and checked against the manifest, served to Parquet by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -58,6 +59,7 @@ class FetchedFile:
         self.users = 0
         self._lock = threading.Lock()
         self._table: pa.Table | None = None
+        self._readers: list[pq.ParquetFile] = []
         self._spans: dict[int, tuple[int, int]] = {}
         self._small: bool | None = None
         try:
@@ -65,7 +67,21 @@ class FetchedFile:
         except PARSE_ERRORS as exc:
             raise CheckpointCorruptError(path, f"not an embckpt Parquet file: {exc}") from exc
 
-    def parquet(self) -> pq.ParquetFile:
+    @contextlib.contextmanager
+    def parquet(self) -> Iterator[pq.ParquetFile]:
+        """A Parquet reader over the checked ranges, used by one thread at a time and kept for
+        the file's next read: building one cost as much as reading a block's rows again (a
+        block's row ids three times over), and a packed diff is read block by block."""
+        with self._lock:
+            reader = self._readers.pop() if self._readers else None
+        if reader is None:
+            reader = self._new_reader()
+        yield reader
+        with self._lock:
+            if self.users > 0:  # not released meanwhile: its ranges are still held
+                self._readers.append(reader)
+
+    def _new_reader(self) -> pq.ParquetFile:
         source = pa.PythonFile(VerifiedRanges(self.size, self.segments, self.path), "r")
         return pq.ParquetFile(source, metadata=self.footer, pre_buffer=False)
 
@@ -80,7 +96,7 @@ class FetchedFile:
         each, from the one read of all of them."""
         with self._lock:  # blocks of one file may be applied on several threads
             if self._table is None:
-                read = self.parquet().read_row_groups(self.groups, use_threads=False)
+                read = self._new_reader().read_row_groups(self.groups, use_threads=False)
                 self._table = read.combine_chunks()
                 counts = [self.footer.row_group(g).num_rows for g in self.groups]
                 starts = np.cumsum([0, *counts]).tolist()
@@ -101,7 +117,7 @@ class FetchedFile:
             if self.users > 0:
                 return
             source, self.source = self.source, None
-            self.segments, self._table = [], None
+            self.segments, self._table, self._readers = [], None, []
         if source is not None:
             source.close()
 

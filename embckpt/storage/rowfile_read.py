@@ -159,8 +159,8 @@ class CheckedFile:
         fetched = self._fetched
         try:
             if not fetched.small():
-                parquet = fetched.parquet()
-                return parquet.read_row_groups(groups, columns=columns, use_threads=False)
+                with fetched.parquet() as parquet:
+                    return parquet.read_row_groups(groups, columns=columns, use_threads=False)
             table = fetched.rows_of(groups)
             return table if columns is None else table.select(columns)
         except PARSE_ERRORS as exc:
