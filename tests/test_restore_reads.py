@@ -30,26 +30,11 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
     opened: Counter[tuple[int, str]] = Counter()
     reads: Counter[int] = Counter()
     closed: Counter[int] = Counter()
-    open_rows, new_reader, release = (
-        CheckpointStore.open_rows,
-        FetchedFile._new_reader,
-        FetchedFile.release,
-    )
+    open_rows, release = CheckpointStore.open_rows, FetchedFile.release
 
     def counted_open(self: CheckpointStore, step: int, entry: Any, *args: Any) -> Any:
         opened[(step, entry.path)] += 1
         return open_rows(self, step, entry, *args)
-
-    def counted_reader(self: FetchedFile) -> Any:
-        reader = new_reader(self)
-        read = reader.read_row_groups
-
-        def counted_read(*args: Any, **kwargs: Any) -> Any:
-            reads[id(self)] += 1
-            return read(*args, **kwargs)
-
-        reader.read_row_groups = counted_read
-        return reader
 
     def counted_release(self: FetchedFile) -> None:
         had_source = self.source is not None
@@ -58,7 +43,7 @@ def test_a_chain_restore_fetches_and_reads_each_file_once(
             closed[id(self)] += 1
 
     monkeypatch.setattr(CheckpointStore, "open_rows", counted_open)
-    monkeypatch.setattr(FetchedFile, "_new_reader", counted_reader)
+    _count_readers(monkeypatch, Counter(), reads)
     monkeypatch.setattr(FetchedFile, "release", counted_release)
     rebuilt = reconstruct(root, STEPS[-1], threads=2)
 
@@ -83,11 +68,25 @@ def test_a_large_file_read_block_by_block_builds_its_parquet_reader_once(
     blocks' row-id and row reads, and still restore every weight exactly."""
     from embckpt.read.export import reconstruct
     from embckpt.storage import rowfile_ranges
-    from embckpt.storage.rowfile_ranges import FetchedFile
 
     root, written = packed_run
     built: Counter[int] = Counter()
     reads: Counter[int] = Counter()
+    monkeypatch.setattr(rowfile_ranges, "SMALL_BYTES", -1)
+    _count_readers(monkeypatch, built, reads)
+    rebuilt = reconstruct(root, STEPS[-1], threads=1)
+    assert built and set(built.values()) == {1}, built  # one reader per file...
+    assert sum(reads.values()) > 2 * len(built), reads  # ...for its row ids and rows, per block
+    truth = assemble([w["at_save"] for w in written])
+    for key, weight in rebuilt.tables.items():
+        table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))
+        np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
+
+
+def _count_readers(monkeypatch: pytest.MonkeyPatch, built: Counter, reads: Counter) -> None:
+    """Counts, per fetched file, the Parquet readers built over it and the reads they make."""
+    from embckpt.storage.rowfile_ranges import FetchedFile
+
     new_reader = FetchedFile._new_reader
 
     def counted_reader(self: FetchedFile) -> Any:
@@ -102,15 +101,7 @@ def test_a_large_file_read_block_by_block_builds_its_parquet_reader_once(
         reader.read_row_groups = counted_read
         return reader
 
-    monkeypatch.setattr(rowfile_ranges, "SMALL_BYTES", -1)
     monkeypatch.setattr(FetchedFile, "_new_reader", counted_reader)
-    rebuilt = reconstruct(root, STEPS[-1], threads=1)
-    assert built and set(built.values()) == {1}, built  # one reader per file...
-    assert sum(reads.values()) > 2 * len(built), reads  # ...for its row ids and rows, per block
-    truth = assemble([w["at_save"] for w in written])
-    for key, weight in rebuilt.tables.items():
-        table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))
-        np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
 
 
 def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:

@@ -70,8 +70,8 @@ class FetchedFile:
     @contextlib.contextmanager
     def parquet(self) -> Iterator[pq.ParquetFile]:
         """A Parquet reader over the checked ranges, used by one thread at a time and kept for
-        the file's next read: building one cost as much as reading a block's rows again (a
-        block's row ids three times over), and a packed diff is read block by block."""
+        the file's next read: building one cost about as much as reading a block's rows (twice
+        as much as reading its row ids), and a packed diff is read block by block."""
         with self._lock:
             reader = self._readers.pop() if self._readers else None
         if reader is None:
