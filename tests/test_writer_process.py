@@ -304,10 +304,12 @@ def test_shared_memory_views_and_offsets() -> None:
 
 
 def test_writer_worker_starts_without_torchrec() -> None:
-    """The writer process's imports: no TorchRec (its start is the process's cost)."""
+    """The writer process's imports: no TorchRec, and no FBGEMM, whose ops its codecs' kernels
+    replace (imported, they were a third of the process's start)."""
     code = (
         "import sys, embckpt.save.writer_worker; "
-        "assert 'torchrec' not in sys.modules, 'torchrec imported'; print('ok')"
+        "assert 'torchrec' not in sys.modules, 'torchrec imported'; "
+        "assert 'fbgemm_gpu' not in sys.modules, 'fbgemm_gpu imported'; print('ok')"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr

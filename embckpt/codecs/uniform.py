@@ -35,9 +35,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-with contextlib.suppress(ImportError):
-    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm; without it, the torch path)
-
 from embckpt.codecs.base import EncodedRows, register
 from embckpt.codecs.common import (
     DEFAULT_ENTROPY,
@@ -72,8 +69,20 @@ def use_kernels(x: torch.Tensor) -> bool:
     return COMPILED and x.device.type == "cpu"
 
 
+@functools.cache
+def _fbgemm_ops() -> Any:
+    """``torch.ops.fbgemm`` with FBGEMM's ops registered where it is installed (without it, the
+    torch path). Imported on first use, not with the codecs: a writer process, whose codecs
+    encode with the kernels, never needs it, and importing it (with what it pulls in) was a
+    third of that process's imports (2.8-3.2 s, now 2.1 s, on the 2-core machine of
+    ``benchmarks/results/``)."""
+    with contextlib.suppress(ImportError):
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    return torch.ops.fbgemm
+
+
 def _has_fbgemm() -> bool:
-    return hasattr(torch.ops.fbgemm, "FusedNBitRowwiseQuantizedSBHalfToFloat")
+    return hasattr(_fbgemm_ops(), "FusedNBitRowwiseQuantizedSBHalfToFloat")
 
 
 @functools.cache
@@ -84,7 +93,7 @@ def _fbgemm_minmax_op_honours_ranges() -> bool:
     honours them), which would write other bytes than the kernels and the torch path.
     """
     op = getattr(
-        torch.ops.fbgemm, "FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax", None
+        _fbgemm_ops(), "FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax", None
     )
     if op is None:
         return False
@@ -159,7 +168,7 @@ def quantize_affine(
         return fused[:, :width], fused[:, width:]
     if half and fbgemm_fits(x, bits):
         minmax = torch.stack([lo.float(), hi.float()], dim=1)
-        op = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax
+        op = _fbgemm_ops().FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax
         fused = op(x, bits, minmax)
         width = packed_width(x.shape[1], bits)
         return fused[:, :width], fused[:, width:]
@@ -259,7 +268,7 @@ def dequantize_fused(
         and (cols * bits) % 16 == 0
         and _has_fbgemm()
     ):
-        op = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat
+        op = _fbgemm_ops().FusedNBitRowwiseQuantizedSBHalfToFloat
         return op(torch.from_numpy(np.array(fused, copy=True)), bits)
     compute = torch.float64 if dtype == np.float32 else torch.float32
     codes = unpack_codes(torch.from_numpy(np.array(fused[:, :width], copy=True)), bits, cols)
