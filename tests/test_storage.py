@@ -204,3 +204,54 @@ def test_demo_config_loads_and_unknown_keys_fail(tmp_path: Path) -> None:
     bad.write_text("checkpoint:\n  polcy: full\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml\.checkpoint: unknown keys \['polcy'\]"):
         load_yaml(bad, DemoConfig)
+
+
+def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) -> None:
+    """On an object store each manifest lookup is a request: a store's scan of its step
+    folders sends them together (a job keeps every checkpoint by default), and still tells
+    committed steps from leftovers, at save (``prepare_step_folder``) as everywhere."""
+    import threading
+    import time
+
+    import pyarrow.fs as pafs
+    from faultfs import FaultyHandler
+
+    from embckpt.save.decide import prepare_step_folder
+    from embckpt.storage.layout import MANIFEST_NAME
+
+    class SlowLooks(FaultyHandler):
+        """Each manifest lookup takes 50 ms, as a request to a remote store would."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.busy = self.most = 0
+            self.guard = threading.Lock()
+
+        def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+            if not any(p.endswith(MANIFEST_NAME) for p in paths):
+                return super().get_file_info(paths)
+            with self.guard:
+                self.busy += 1
+                self.most = max(self.most, self.busy)
+            time.sleep(0.05)
+            with self.guard:
+                self.busy -= 1
+            return super().get_file_info(paths)
+
+    handler = SlowLooks()
+    store = CheckpointStore(str(tmp_path / "ckpts"), filesystem=pafs.PyFileSystem(handler))
+    assert not store.is_local
+    committed = [s for s in range(1, 13) if s % 3]
+    for step in range(1, 13):
+        store.write_file(step, "dense/x.bin", b"x")
+        if step in committed:
+            store.write_file(step, MANIFEST_NAME, b"{}")
+    assert store.committed_steps() == committed
+    assert store.leftover_steps() == [3, 6, 9, 12]
+    assert handler.most > 1  # the lookups overlapped
+    assert prepare_step_folder(store, 12) is None  # a leftover of the newest step: cleared
+    assert store.leftover_steps() == [3, 6, 9]
+    refused = prepare_step_folder(store, 11)
+    assert refused is not None and "already exists" in refused
+    refused = prepare_step_folder(store, 9)
+    assert refused is not None and "newer checkpoints (steps 10, 11)" in refused

@@ -146,13 +146,14 @@ def prepare_step_folder(store: CheckpointStore, step: int) -> str | None:
     committed one (the newer chain would stay "latest" and a later restore would silently
     skip this one), clears an interrupted one."""
     try:
-        if store.is_committed(step):
+        states = store.step_states()  # one scan: each folder's look is a request on S3
+        if states.get(step):
             return (
                 f"step {step}: {store.step_path(step, MANIFEST_NAME)} already exists; "
                 "a committed checkpoint is never overwritten (to resume from an older step "
                 "and drop the newer checkpoints, restore it with discard_newer=True)"
             )
-        newer = [s for s in store.committed_steps() if s > step]
+        newer = [s for s, committed in states.items() if committed and s > step]
         if newer:
             return (
                 f"step {step}: {store.uri} already holds newer checkpoints (steps "
@@ -160,7 +161,7 @@ def prepare_step_folder(store: CheckpointStore, step: int) -> str | None:
                 "to resume from an older step and drop them, restore it with "
                 "discard_newer=True"
             )
-        if step in store.leftover_steps():
+        if states.get(step) is False:
             store.remove_step(step)  # debris of an interrupted save of this step
     except Exception as exc:  # broadcast: the other ranks must not wait for an answer
         return f"step {step}: rank 0: cannot prepare {store.step_path(step)}: {exc}"

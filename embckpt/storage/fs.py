@@ -10,13 +10,14 @@ file as the Parquet writer produces them; an object store's PUT sends the file b
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,11 +26,12 @@ import pyarrow.fs as pafs
 
 from embckpt.errors import CheckpointCorruptError
 from embckpt.storage import checksum as checksums
+from embckpt.storage.checked import check_whole, open_rows_from
 from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_of_dir, temp_name
 from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.paths import path_problem
 from embckpt.storage.phases import PhaseClock, timed
-from embckpt.storage.signing import VerifyKeys, check_digest, digest
+from embckpt.storage.signing import VerifyKeys, digest
 from embckpt.storage.sink import ChecksumSink, StreamedFile
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ _PERMANENT_TYPES = (
 )
 _PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG})
 _MAX_BACKOFF_S = 5.0
+LOOKS = 16  # manifest lookups in flight at once on an object store (CheckpointStore.step_states)
 # Not the global ``random`` stream, whose state a checkpoint saves and a restore puts back; and
 # no state to copy: processes forked from one (run_ranks' ranks, DataLoader workers) must not
 # all draw the same jitter.
@@ -70,58 +73,6 @@ def _unwrap(filesystem: pafs.FileSystem, path: str) -> tuple[pafs.FileSystem, st
     if isinstance(filesystem, pafs.LocalFileSystem):
         return filesystem, str(Path(path).absolute())
     return filesystem, path.rstrip("/")
-
-
-def check_whole(
-    data: pa.Buffer, expected: WrittenFile, path: str, clock: PhaseClock | None = None
-) -> pa.Buffer:
-    """``data``, a whole file, checked against the manifest's size and checksum (``clock``
-    gets the ``verify`` time).
-
-    Raises:
-        CheckpointCorruptError: truncated, extended or altered; names ``path``.
-    """
-    with timed(clock, "verify"):
-        checksums.verify_size(data.size, expected.bytes, path)
-        checksums.verify(data, expected.checksum, path)
-        if expected.digest:  # a signed checkpoint
-            check_digest(data, expected.digest, path)
-    return data
-
-
-def open_rows_from(
-    entry: FileEntry,
-    groups: Sequence[int] | None,
-    path: str,
-    whole: Callable[[], pa.Buffer],
-    source: Callable[[], pa.NativeFile],
-    clock: PhaseClock | None = None,
-) -> CheckedFile:
-    """The footer and row groups ``groups`` of rows file ``entry``, from wherever its bytes
-    are: ``whole()`` gives the whole file checked, ``source()`` a random-access file for
-    fetching ranges (a store's file, or a copy held in memory: ``tiers/read_store.py``).
-    What :meth:`CheckpointStore.open_rows` describes.
-    """
-    # Imported here: decoding needs the codecs (torch), which verify, inspect and the report
-    # never load.
-    from embckpt.storage.rowfile_read import open_ranges, whole_file
-
-    index = entry.partial_index
-    if entry.block is not None:
-        if index is None:
-            raise CheckpointCorruptError(
-                path, f"block {entry.block} of a packed file has no index of the file"
-            )
-        groups = range(len(index.row_groups)) if groups is None else groups
-    elif groups is None or index is None:
-        return whole_file(whole(), path)
-    opened = source()
-    try:
-        checksums.verify_size(opened.size(), entry.bytes, path)
-    except BaseException:
-        opened.close()
-        raise
-    return open_ranges(opened, path, entry.bytes, index, groups, clock, entry.block)
 
 
 class CheckpointStore:
@@ -209,9 +160,22 @@ class CheckpointStore:
                 found[step] = info.path
         return found
 
+    def step_states(self) -> dict[int, bool]:
+        """Each step folder, ascending, and whether its manifest exists: one listing, then one
+        look per folder, at most :data:`LOOKS` at once on an object store, where each look is a
+        request (one after another, a job keeping every checkpoint, the default, waited for
+        hundreds of them at every save and restore)."""
+        steps = sorted(self._step_folders())
+        if self.is_local or len(steps) < 2:
+            return {step: self.is_committed(step) for step in steps}
+        with concurrent.futures.ThreadPoolExecutor(
+            min(LOOKS, len(steps)), thread_name_prefix="embckpt-looks"
+        ) as pool:
+            return dict(zip(steps, pool.map(self.is_committed, steps), strict=True))
+
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists, ascending."""
-        return sorted(step for step in self._step_folders() if self.is_committed(step))
+        return [step for step, committed in self.step_states().items() if committed]
 
     def newest_committed(self) -> int | None:
         """The newest step whose manifest exists (None if none): one listing, and one look
@@ -229,7 +193,7 @@ class CheckpointStore:
 
     def leftover_steps(self) -> list[int]:
         """Step folders without a manifest: debris of interrupted saves, never checkpoints."""
-        return sorted(step for step in self._step_folders() if not self.is_committed(step))
+        return [step for step, committed in self.step_states().items() if not committed]
 
     def is_committed(self, step: int) -> bool:
         info = self.fs.get_file_info(self.step_path(step, MANIFEST_NAME))
@@ -238,11 +202,12 @@ class CheckpointStore:
     def clean_leftovers(self) -> list[int]:
         """Deletes step folders without a manifest (interrupted saves) and temporary files of
         interrupted writes in committed ones. Call only while holding the directory's lock."""
-        leftovers = self.leftover_steps()
+        states = self.step_states()
+        leftovers = [step for step, committed in states.items() if not committed]
         for step in leftovers:
             self.remove_step(step)
         if self.is_local:
-            for step in self.committed_steps():
+            for step in (step for step, committed in states.items() if committed):
                 for info in self.fs.get_file_info(
                     pafs.FileSelector(self.step_path(step), recursive=True)
                 ):

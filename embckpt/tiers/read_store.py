@@ -24,7 +24,8 @@ from typing import TypeVar
 import pyarrow as pa
 
 from embckpt.errors import CheckpointCorruptError
-from embckpt.storage.fs import CheckpointStore, check_whole, open_rows_from
+from embckpt.storage.checked import check_whole, open_rows_from
+from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import FileEntry, WrittenFile
 from embckpt.storage.phases import PhaseClock
