@@ -209,7 +209,8 @@ def test_demo_config_loads_and_unknown_keys_fail(tmp_path: Path) -> None:
 def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) -> None:
     """On an object store each manifest lookup is a request: a store's scan of its step
     folders sends them together (a job keeps every checkpoint by default), and still tells
-    committed steps from leftovers, at save (``prepare_step_folder``) as everywhere."""
+    committed steps from leftovers; a save's check looks up only its step's folder and newer
+    ones (``prepare_step_folder``)."""
     import threading
     import time
 
@@ -224,7 +225,7 @@ def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) ->
 
         def __init__(self) -> None:
             super().__init__()
-            self.busy = self.most = 0
+            self.busy = self.most = self.looks = 0
             self.guard = threading.Lock()
 
         def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
@@ -233,6 +234,7 @@ def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) ->
             with self.guard:
                 self.busy += 1
                 self.most = max(self.most, self.busy)
+                self.looks += 1
             time.sleep(0.05)
             with self.guard:
                 self.busy -= 1
@@ -249,7 +251,9 @@ def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) ->
     assert store.committed_steps() == committed
     assert store.leftover_steps() == [3, 6, 9, 12]
     assert handler.most > 1  # the lookups overlapped
+    handler.looks = 0
     assert prepare_step_folder(store, 12) is None  # a leftover of the newest step: cleared
+    assert handler.looks == 2  # its folder, then remove_step's own check; not the 11 older
     assert store.leftover_steps() == [3, 6, 9]
     refused = prepare_step_folder(store, 11)
     assert refused is not None and "already exists" in refused

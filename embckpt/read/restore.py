@@ -198,22 +198,20 @@ def restore_checkpoint(
     threads = into.threads
     choice: tuple[int | None, str | None, str | None] = (None, None, None)
     if comm.rank == 0:
-        try:
-            committed = store.committed_steps()
-        except Exception as exc:  # broadcast: the other ranks must not wait for a choice
-            choice = (None, None, f"cannot list the checkpoints of {store.uri}: {exc}")
-        else:
+        try:  # the newest, or the one asked for: a look or two, not one per checkpoint
             if step is None:
-                choice = (committed[-1] if committed else None, None, None)
-            elif step in committed:
+                choice = (store.newest_committed(), None, None)
+            elif store.is_committed(step):
                 choice = (step, None, None)
             else:
-                known = ", ".join(map(str, committed)) or "none"
+                known = ", ".join(map(str, store.committed_steps())) or "none"
                 choice = (
                     None,
                     f"no committed checkpoint of step {step} in {store.uri} (committed: {known})",
                     None,
                 )
+        except Exception as exc:  # broadcast: the other ranks must not wait for a choice
+            choice = (None, None, f"cannot list the checkpoints of {store.uri}: {exc}")
     try:
         target, missing, unlisted = comm.broadcast(choice)
     except RankError as exc:

@@ -146,7 +146,8 @@ def prepare_step_folder(store: CheckpointStore, step: int) -> str | None:
     committed one (the newer chain would stay "latest" and a later restore would silently
     skip this one), clears an interrupted one."""
     try:
-        states = store.step_states()  # one scan: each folder's look is a request on S3
+        # Only this step's folder and newer ones: each look is a request on an object store.
+        states = store.step_states(at_least=step)
         if states.get(step):
             return (
                 f"step {step}: {store.step_path(step, MANIFEST_NAME)} already exists; "

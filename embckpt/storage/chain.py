@@ -243,10 +243,10 @@ def latest_step(store: CheckpointStore) -> int:
     Raises:
         ChainIncompleteError: nothing is committed.
     """
-    committed = store.committed_steps()
-    if not committed:
+    newest = store.newest_committed()
+    if newest is None:
         raise ChainIncompleteError(store.step_path(0, MANIFEST_NAME), "no committed checkpoint")
-    return committed[-1]
+    return newest
 
 
 def read_chain(

@@ -160,12 +160,12 @@ class CheckpointStore:
                 found[step] = info.path
         return found
 
-    def step_states(self) -> dict[int, bool]:
-        """Each step folder, ascending, and whether its manifest exists: one listing, then one
-        look per folder, at most :data:`LOOKS` at once on an object store, where each look is a
-        request (one after another, a job keeping every checkpoint, the default, waited for
-        hundreds of them at every save and restore)."""
-        steps = sorted(self._step_folders())
+    def step_states(self, at_least: int = 0) -> dict[int, bool]:
+        """Each step folder from step ``at_least`` on, ascending, and whether its manifest
+        exists: one listing, then one look per folder, at most :data:`LOOKS` at once on an
+        object store, where each look is a request (one after another, a job keeping every
+        checkpoint, the default, waited for hundreds of them at every save)."""
+        steps = sorted(step for step in self._step_folders() if step >= at_least)
         if self.is_local or len(steps) < 2:
             return {step: self.is_committed(step) for step in steps}
         with concurrent.futures.ThreadPoolExecutor(
