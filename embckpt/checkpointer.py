@@ -337,7 +337,7 @@ class Checkpointer:
         error: BaseException | None = None
         if self.comm.rank == 0:
             try:
-                newer = [s for s in self.store.committed_steps() if s > step]
+                newer = self.store.committed_after(step)
                 if newer and discard:
                     self._lock.check_held()
                     moved, into = discard_newer(self.store, step)

@@ -255,6 +255,8 @@ def test_an_object_store_looks_up_its_step_manifests_together(tmp_path: Path) ->
     assert prepare_step_folder(store, 12) is None  # a leftover of the newest step: cleared
     assert handler.looks == 2  # its folder, then remove_step's own check; not the 11 older
     assert store.leftover_steps() == [3, 6, 9]
+    handler.looks = 0
+    assert store.committed_after(9) == [10, 11] and handler.looks == 2  # 12 was cleared
     refused = prepare_step_folder(store, 11)
     assert refused is not None and "already exists" in refused
     refused = prepare_step_folder(store, 9)

@@ -177,6 +177,10 @@ class CheckpointStore:
         """Steps whose manifest exists, ascending."""
         return [step for step, committed in self.step_states().items() if committed]
 
+    def committed_after(self, step: int) -> list[int]:
+        """Committed steps newer than ``step``, ascending (only their folders looked up)."""
+        return [s for s, committed in self.step_states(at_least=step + 1).items() if committed]
+
     def newest_committed(self) -> int | None:
         """The newest step whose manifest exists (None if none): one listing, and one look
         per folder from the newest down to the first committed one."""

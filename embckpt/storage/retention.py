@@ -56,7 +56,7 @@ def discard_newer(store: CheckpointStore, step: int) -> tuple[list[int], str | N
     Returns:
         The steps moved, newest first, and the folder they went to (None if none was newer).
     """
-    newer = sorted((s for s in store.committed_steps() if s > step), reverse=True)
+    newer = store.committed_after(step)[::-1]
     if not newer:
         return [], None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -123,7 +123,7 @@ class TierSaver:
         if self.nodes.is_leader:
             try:
                 for label, store in self.local.stores().items():
-                    newer = [s for s in store.committed_steps() if s > step]
+                    newer = store.committed_after(step)
                     for s in newer if discard else ():
                         store.remove_step(s)
                     if newer and not discard:
