@@ -164,7 +164,8 @@ class CheckpointStore:
         """Each step folder from step ``at_least`` on, ascending, and whether its manifest
         exists: one listing, then one look per folder, at most :data:`LOOKS` at once on an
         object store, where each look is a request (one after another, a job keeping every
-        checkpoint, the default, waited for hundreds of them at every save)."""
+        checkpoint, the default, waited for hundreds of them: saves and restores now look up
+        only the folders they need, ``at_least``, :meth:`newest_committed`)."""
         steps = sorted(step for step in self._step_folders() if step >= at_least)
         if self.is_local or len(steps) < 2:
             return {step: self.is_committed(step) for step in steps}
