@@ -236,6 +236,17 @@ def test_files_sent_between_ranks_arrive_whole_and_in_order() -> None:
     assert run_ranks(_exchange_mixed, 2) == [True, True]
 
 
+def test_a_lost_nodes_ranks_are_served_by_as_many_ranks_of_the_holder() -> None:
+    """Each asking rank is served by the holder node's rank at its own place among its node's
+    ranks (round the holder's), not every one by the holder's leader."""
+    from embckpt.tiers.nodes import Nodes
+
+    nodes = Nodes(("n0", "n1", "n0", "n1", "n2"), rank=0)
+    assert [nodes.server("n0", asker) for asker in (1, 3)] == [0, 2]
+    assert [nodes.server("n2", asker) for asker in (0, 1, 2, 3)] == [4, 4, 4, 4]
+    assert [nodes.server("n1", asker) for asker in (0, 2, 4)] == [1, 3, 1]
+
+
 def test_tier_settings_need_local_dir() -> None:
     for kwargs in ({"replicas": 1}, {"durable_every": 3}, {"partial_recovery": True}):
         with pytest.raises(ConfigError, match="need local_dir"):

@@ -58,6 +58,14 @@ class Nodes:
         """The rank that speaks for ``node``: its lowest."""
         return min(self.ranks(node))
 
+    def server(self, node: str, asker: int) -> int:
+        """The rank of ``node`` that sends files to rank ``asker``: the one at the asker's place
+        among its own node's ranks (round ``node``'s), so that each of ``node``'s ranks serves
+        its share of a lost node's ranks at once, not the leader all of them in turn. Any rank
+        of a node reads the node's folder."""
+        ranks = self.ranks(node)
+        return ranks[self.ranks(self.of_rank[asker]).index(asker) % len(ranks)]
+
     @property
     def is_leader(self) -> bool:
         return self.leader(self.me) == self.rank

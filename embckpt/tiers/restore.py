@@ -266,7 +266,7 @@ def fetch_from_peers(
         holders = [h for h in found.holders(key, size) if h[0] != nodes.me]
         if holders:
             node = sorted(holders, key=lambda h: (h[1] != OWN, h[0]))[0][0]
-            requests.append((key, nodes.leader(node)))
+            requests.append((key, nodes.server(node, nodes.rank)))
     asked = comm.all_gather(requests)
     outgoing: dict[int, list[tuple[Hashable, pa.Buffer]]] = {}
     for rank, theirs in enumerate(asked):
