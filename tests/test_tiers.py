@@ -5,7 +5,8 @@ replica lost too, partial recovery takes its blocks from an older step.
 
 Two ranks, each its own simulated node (``EMBCKPT_NODE``); a "relaunch" is a fresh model and
 Checkpointer, in the same processes after the test damaged files, or in fresh ones after a
-node's worker was SIGKILLed and its folder deleted.
+node's worker was SIGKILLed and its folder deleted. One test runs four ranks, two nodes of two:
+which rank of a node serves which rank of a lost one needs two ranks on each.
 """
 
 from __future__ import annotations
@@ -245,6 +246,41 @@ def test_a_lost_nodes_ranks_are_served_by_as_many_ranks_of_the_holder() -> None:
     assert [nodes.server("n0", asker) for asker in (1, 3)] == [0, 2]
     assert [nodes.server("n2", asker) for asker in (0, 1, 2, 3)] == [4, 4, 4, 4]
     assert [nodes.server("n1", asker) for asker in (0, 2, 4)] == [1, 3, 1]
+
+
+def _two_nodes_of_two(rank: int, world_size: int, root: str) -> dict:
+    """Saves as node ``n<rank // 2>``; node n1's folder lost, restores from n0's replica."""
+    import torch.distributed as dist
+
+    from embckpt import Checkpointer
+
+    node = f"n{rank // 2}"
+    os.environ["EMBCKPT_NODE"] = node
+    model, opt = tm.build(world_size, seed=0)
+    expected = {}
+    with Checkpointer(model, f"{root}/durable", optimizer=opt, config=_config(root)) as ckpt:
+        for step in range(1, SAVES[-1] + 1):
+            tm.train_step(model, opt, step, rank, hot=60)
+            if step in SAVES:
+                ckpt.save(step).wait()
+                expected[step] = tm.snapshot_state(model, opt, rank)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(root, "local", "n1"))
+    dist.barrier()
+    result, state, _ = _restore(rank, world_size, root, node)
+    return _summary(result, state, expected)
+
+
+def test_a_lost_node_of_two_ranks_restores_exactly_from_both_ranks_of_its_peer() -> None:
+    """Two nodes of two ranks: node n1's folder lost, each of its ranks gets its files from a
+    different rank of n0 (``Nodes.server``), and every rank restores its step exactly."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_two_nodes_of_two, 4, root)
+    for rank, out in enumerate(results):
+        assert out["step"] == 15 and out["diff"] == [], (rank, out)
+        assert out["bytes"]["durable"] == 0 and out["refused"] == [], (rank, out)
+        assert (out["bytes"]["peer"] > 0) == (rank >= 2), (rank, out)
 
 
 def test_tier_settings_need_local_dir() -> None:
