@@ -62,12 +62,10 @@ def _summary(result, state: dict, expected: dict) -> dict:
     }
 
 
-def _scenarios(rank: int, world_size: int, root: str) -> dict:
-    import torch.distributed as dist
-
+def _save_tiered(rank: int, world_size: int, root: str) -> dict[int, dict]:
+    """Trains and saves ``SAVES`` as this process's node; the state at each save, by step."""
     from embckpt import Checkpointer
 
-    os.environ["EMBCKPT_NODE"] = f"n{rank}"
     model, opt = tm.build(world_size, seed=0)
     expected = {}
     with Checkpointer(model, f"{root}/durable", optimizer=opt, config=_config(root)) as ckpt:
@@ -76,6 +74,14 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
             if step in SAVES:
                 ckpt.save(step).wait()
                 expected[step] = tm.snapshot_state(model, opt, rank)
+    return expected
+
+
+def _scenarios(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    os.environ["EMBCKPT_NODE"] = f"n{rank}"
+    expected = _save_tiered(rank, world_size, root)
     local = Path(root, "local")
     out: dict = {
         "layout": {
@@ -252,18 +258,9 @@ def _two_nodes_of_two(rank: int, world_size: int, root: str) -> dict:
     """Saves as node ``n<rank // 2>``; node n1's folder lost, restores from n0's replica."""
     import torch.distributed as dist
 
-    from embckpt import Checkpointer
-
     node = f"n{rank // 2}"
     os.environ["EMBCKPT_NODE"] = node
-    model, opt = tm.build(world_size, seed=0)
-    expected = {}
-    with Checkpointer(model, f"{root}/durable", optimizer=opt, config=_config(root)) as ckpt:
-        for step in range(1, SAVES[-1] + 1):
-            tm.train_step(model, opt, step, rank, hot=60)
-            if step in SAVES:
-                ckpt.save(step).wait()
-                expected[step] = tm.snapshot_state(model, opt, rank)
+    expected = _save_tiered(rank, world_size, root)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(Path(root, "local", "n1"))
