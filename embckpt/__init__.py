@@ -56,6 +56,7 @@ _EXPORTS = {
     "Manifest": "embckpt.storage.manifest",
     "VerifyReport": "embckpt.storage.verify",
     "verify": "embckpt.storage.verify",
+    "start_writer_zygote": "embckpt.save.writer_zygote",
 }
 
 # Deprecated names -> the module that defines them now. The example workload's settings are no
@@ -98,6 +99,7 @@ __all__ = [
     "load_yaml",
     "merge",
     "reconstruct",
+    "start_writer_zygote",
     "verify",
 ]
 
@@ -146,6 +148,7 @@ if TYPE_CHECKING:
     from embckpt.read.merge import merge
     from embckpt.read.restore import RestoreResult
     from embckpt.save.pending import PendingCheckpoint
+    from embckpt.save.writer_zygote import start_writer_zygote
     from embckpt.storage.fs import CheckpointStore
     from embckpt.storage.manifest import Manifest
     from embckpt.storage.verify import VerifyReport, verify

@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import toy_model as tm
 from compiled_kernels import kernel_signatures
+from faultfs import FaultyHandler
 
 from embckpt.examples.launcher import run_ranks
 
@@ -52,11 +55,17 @@ def _step(model, opt, step: int, rank: int, hot: int | None = None) -> None:
     opt.step()
 
 
-def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "cpu") -> dict:
+def _chain(
+    rank: int, world_size: int, root: str, options: dict, device: str = "cpu", fresh: bool = False
+) -> dict:
     """Saves a chain with steps trained in every window, then restores each step in a fresh
-    model and trains on; everything compared exactly."""
+    model and trains on; everything compared exactly. ``fresh``: the writer processes are
+    fresh interpreters (as under torchrun), not forked from the launcher's zygote."""
     from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.save.writer_zygote import ZYGOTE_ENV
 
+    if fresh:
+        del os.environ[ZYGOTE_ENV]
     config = CheckpointConfig(writer="process", **SMALL_SLABS, **options)
     model, opt = tm.build(world_size, seed=0, device=device)
     out: dict = {"kinds": [], "copied": [], "windows": 0}
@@ -64,6 +73,7 @@ def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
         ckpt.track_reconstruction()
         out["pid"] = ckpt._saver.process.pid
+        out["parent_is_rank"] = _parent(out["pid"]) == os.getpid()
         step = 0
         for save in range(4):
             for _ in range(3):
@@ -129,11 +139,15 @@ def _blocks_of(state: dict) -> dict:
     return blocks
 
 
-@pytest.mark.parametrize("options", [{"policy": "incremental", "full_every": 3}, LOSSY])
-def test_process_writer_chain_restores_what_it_meant(options: dict) -> None:
+@pytest.mark.parametrize(
+    ("options", "fresh"), [({"policy": "incremental", "full_every": 3}, False), (LOSSY, True)]
+)
+def test_process_writer_chain_restores_what_it_meant(options: dict, fresh: bool) -> None:
+    """Forked from the launcher's writer zygote, or started as fresh interpreters."""
     with tempfile.TemporaryDirectory() as root:
-        results = run_ranks(_chain, 2, root, options, timeout_s=240)
+        results = run_ranks(_chain, 2, root, options, "cpu", fresh, timeout_s=240)
     for rank, out in enumerate(results):
+        assert out["parent_is_rank"] == fresh, rank
         kinds = [kind for kind, _ in out["kinds"]]
         assert kinds[0] == "full" and "diff" in kinds, (rank, out["kinds"])
         assert out["windows"] > 0  # steps ran while rows were being copied
@@ -235,6 +249,11 @@ def test_the_writer_process_ends_with_its_rank(tmp_path: Path) -> None:
     assert not _running(writer)
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().split(")")[-1].split()[1])
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie left for its reaper does not)."""
     try:
@@ -242,6 +261,93 @@ def _running(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_zygote_forks_writers_and_reports_how_they_end() -> None:
+    """A writer forked from the zygote is not this process's child; the zygote reports its
+    exit code (it exits when the rank closes the connection) or the signal that killed it."""
+    from embckpt import start_writer_zygote
+    from embckpt.save.shared_memory import SharedMemory
+    from embckpt.save.writer_zygote import ZYGOTE_ENV, fork_writer
+
+    path = start_writer_zygote()[ZYGOTE_ENV]
+    memory = SharedMemory(1 << 12, pinned=False)
+    ends = []
+    for how in ("close", "kill"):
+        ours, theirs = socket.socketpair()
+        child = fork_writer(path, (theirs.fileno(), memory.fd))
+        theirs.close()
+        assert _parent(child.pid) != os.getpid() and child.poll() is None
+        if how == "close":
+            ours.close()
+        else:
+            child.kill()
+        ends.append(child.wait(timeout=60))
+        ours.close()
+    memory.close()
+    assert ends == [0, -signal.SIGKILL]
+
+
+def _without_zygote(rank: int, world_size: int, root: str, gone: str) -> dict:
+    """The zygote's socket refuses (it has ended): the writer is a fresh interpreter."""
+    from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.save.writer_zygote import ZYGOTE_ENV
+
+    os.environ[ZYGOTE_ENV] = gone
+    model, opt = tm.build(world_size, seed=0)
+    with Checkpointer(model, root, optimizer=opt, config=CheckpointConfig(writer="process")) as c:
+        tm.train_step(model, opt, 1, rank)
+        kind = c.save(1).wait().kind
+        return {"kind": kind, "parent_is_rank": _parent(c._saver.process.pid) == os.getpid()}
+
+
+def test_a_zygote_that_has_ended_leaves_fresh_interpreters(tmp_path: Path) -> None:
+    gone = str(tmp_path / "zygote.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(gone)  # a socket file nobody listens on
+    (out,) = run_ranks(_without_zygote, 1, str(tmp_path / "ckpt"), gone, timeout_s=120)
+    assert out == {"kind": "full", "parent_is_rank": True}
+
+
+class _NotingHandler(FaultyHandler):
+    """Notes, for every rows file it opens, the process that opens it and what that process
+    inherited: the environment variable ``MARK`` and the working directory."""
+
+    def open_output_stream(self, path: str, metadata: Any = None) -> Any:
+        if "/tables/" in path:
+            notes = Path(os.environ["NOTES"]) / f"{os.getpid()}"
+            notes.write_text(f"{os.environ.get('MARK')} {os.getcwd()}")
+        return super().open_output_stream(path, metadata)
+
+
+def _inherits(rank: int, world_size: int, root: str) -> dict:
+    """Set after the launcher started the zygote: the rank's environment and directory."""
+    import pyarrow.fs as pafs
+
+    from embckpt import CheckpointConfig, Checkpointer
+
+    os.environ.update(MARK=f"rank {rank}", NOTES=f"{root}/notes")
+    os.chdir(f"{root}/cwd{rank}")
+    model, opt = tm.build(world_size, seed=0)
+    store = pafs.PyFileSystem(_NotingHandler())
+    config = CheckpointConfig(writer="process", pipeline="full")
+    with Checkpointer(
+        model, f"{root}/ckpt", optimizer=opt, config=config, filesystem=store
+    ) as ckpt:
+        tm.train_step(model, opt, 1, rank)
+        ckpt.save(1).wait()
+        writer = ckpt._saver.process.pid
+        return {"writer": writer, "forked": _parent(writer) != os.getpid()}
+
+
+def test_a_forked_writer_takes_what_its_rank_would_give_a_child(tmp_path: Path) -> None:
+    for name in ("notes", "cwd0", "cwd1"):
+        (tmp_path / name).mkdir()
+    results = run_ranks(_inherits, 2, str(tmp_path), timeout_s=120)
+    for rank, out in enumerate(results):
+        assert out["forked"], rank  # by the zygote, not started by the rank
+        noted = (tmp_path / "notes" / str(out["writer"])).read_text()
+        assert noted == f"rank {rank} {tmp_path}/cwd{rank}", (rank, noted)
 
 
 def _kernels_before_save(rank: int, world_size: int, root: str) -> dict:

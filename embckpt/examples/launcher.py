@@ -11,6 +11,10 @@ server's instead (:class:`_Inheritance`): the environment and the stdout and std
 (a test's output capture, a redirection); multiprocessing itself gives it the caller's
 ``sys.path``, working directory and ``__main__`` module.
 
+Their writer processes (``CheckpointConfig.writer``) are forked from one writer zygote the
+launcher starts (``embckpt.start_writer_zygote``), which imports the writer once for every
+rank of every launch, instead of each starting a fresh interpreter.
+
 Where CUDA is available, ranks are spawned instead: CUDA cannot start in a process forked from
 one that asked for it, and importing ``fbgemm_gpu`` asks (``torch.cuda.is_available()``).
 
@@ -36,6 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import embckpt
 
 
 def free_port() -> int:
@@ -193,6 +199,8 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     inheritance = _Inheritance.of_caller()
+    if not spawn:  # writer processes forked from one zygote (a spawned rank starts its own)
+        inheritance.environ.update(embckpt.start_writer_zygote())
     folder = tempfile.TemporaryDirectory(prefix="embckpt-ranks-")
     rendezvous = os.path.join(folder.name, "rendezvous")
     procs = [

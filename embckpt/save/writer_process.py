@@ -2,9 +2,11 @@
 
 The process is started with ``subprocess`` (a fresh interpreter: nothing of the training
 process is copied into it, no CUDA context, no lock another thread held, no re-run of the
-user's script as ``multiprocessing``'s spawn does), as soon as the ``Checkpointer`` is built,
-so that its imports and the codec's kernels are ready before the first save. It gets two
-descriptors: a socket to the rank and the shared slab memory (``save/shared_memory.py``).
+user's script as ``multiprocessing``'s spawn does), or, where the rank's launcher started a
+writer zygote (``save/writer_zygote.py``), forked from that (as clean, without the imports),
+as soon as the ``Checkpointer`` is built, so that its imports and the codec's kernels are ready
+before the first save. It gets two descriptors: a socket to the rank and the shared slab
+memory (``save/shared_memory.py``).
 
 Messages go out on the calling thread (the persist thread); a reply thread reads the answers:
 a unit's slab freed (given back to the pool), a save finished. If the process dies, every
@@ -33,8 +35,12 @@ from embckpt.errors import SaveError
 from embckpt.save.reference import ReferenceEdit
 from embckpt.save.shared_memory import SharedMemory
 from embckpt.save.writer_worker import WriterSpec, receive, send
+from embckpt.save.writer_zygote import ZYGOTE_ENV, ForkedProcess, fork_writer
 
 log = logging.getLogger(__name__)
+
+Process = subprocess.Popen[bytes] | ForkedProcess
+"""The writer process, as its starter answers for it (``poll``, ``wait``, ``kill``, ``pid``)."""
 
 Done = Callable[[BaseException | None], None]
 """Called once a hand-over's slab is no longer read (with the process's error if it died)."""
@@ -68,15 +74,8 @@ class WriterProcess:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         fds = (theirs.fileno(), self.memory.fd)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "embckpt.save.writer_worker", *map(str, fds)],
-            pass_fds=fds,
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        self._proc = _started(fds)
         theirs.close()
         self._conn = Connection(ours.detach())
         self.generation += 1
@@ -168,7 +167,7 @@ class WriterProcess:
             pass
 
     # -- answers ---------------------------------------------------------------------------------
-    def _replies(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
+    def _replies(self, conn: Connection, proc: Process) -> None:
         """The reply thread: slabs freed, saves finished; then, at the end, the process's
         death reported to everything still waiting on it."""
         while True:
@@ -253,7 +252,26 @@ def _fail(
         future.set_exception(error)
 
 
-def _ended(proc: subprocess.Popen[bytes]) -> str:
+def _started(fds: tuple[int, int]) -> Process:
+    """The writer process serving ``fds``: forked by the launcher's writer zygote where there
+    is one (``save/writer_zygote.py``), else a fresh interpreter."""
+    address = os.environ.get(ZYGOTE_ENV)
+    if address:
+        try:
+            return fork_writer(address, fds)
+        except (OSError, EOFError) as exc:
+            log.warning("writer zygote %s unavailable (%s): starting an interpreter", address, exc)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "embckpt.save.writer_worker", *map(str, fds)],
+        pass_fds=fds,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _ended(proc: Process) -> str:
     """How the process ended, in words."""
     try:
         code = proc.wait(timeout=5)
@@ -264,7 +282,7 @@ def _ended(proc: subprocess.Popen[bytes]) -> str:
     return f"exited with code {code}"
 
 
-def _stop(proc: subprocess.Popen[bytes], conn: Connection) -> None:
+def _stop(proc: Process, conn: Connection) -> None:
     """Closes the connection (the process exits when it reads its end) and reaps it."""
     try:
         send(conn, ("close",))
@@ -275,4 +293,7 @@ def _stop(proc: subprocess.Popen[bytes], conn: Connection) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # forked by a zygote that is gone: status unknown
+            pass

@@ -7,8 +7,9 @@ a half while a save was written (issue 38). Here that work has its own interpret
 training process only claims and copies rows and sends what lies where in the shared slabs.
 
 Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker SOCKET MEMORY``
-(two inherited descriptors: the connection to the rank, the shared slab memory). It reads a
-:class:`WriterSpec`, warms the codec's kernels, then serves one save at a time:
+(two inherited descriptors: the connection to the rank, the shared slab memory), or forked with
+them by the writer zygote (``save/writer_zygote.py``) where the rank's launcher started one.
+It reads a :class:`WriterSpec`, warms the codec's kernels, then serves one save at a time:
 
 - ``begin``: a save starts (its step, decision, codec, whether the reference is rebuilt or
   edited, whether the rows are captured);
@@ -21,13 +22,14 @@ Started by ``save/writer_process.py`` as ``python -m embckpt.save.writer_worker 
 - ``commit``: the last save's reference edit applied; ``clear``: the reference dropped;
 - ``arm`` / ``disarm``: failure points of this process (tests); ``close``: exit.
 
-It exits when the rank closes the connection or dies (its parent process changes).
+It exits when the rank closes the connection or ends (watched through a pidfd).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import select
 import signal
 import sys
 import threading
@@ -372,26 +374,51 @@ def _described(error: BaseException | None) -> tuple[bool, str] | None:
     return False, f"{type(error).__name__}: {error}"
 
 
-def _watch_parent(parent: int) -> None:
-    """Exits when the rank that started this process is gone (its files then unneeded)."""
-    while True:
-        time.sleep(0.2)
-        if os.getppid() != parent:
-            os._exit(0)
+def _watch_rank(pid: int) -> None:
+    """Exits when the rank that asked for this process is gone (its files then unneeded)."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd here: looked at every 0.2 s
+        while _exists(pid):
+            time.sleep(0.2)
+        os._exit(0)
+    select.select([handle], [], [])  # readable once the rank has ended
+    os._exit(0)
 
 
-def main(argv: list[str]) -> None:
-    conn = Connection(int(argv[1]))
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def serve(conn_fd: int, memory_fd: int, rank_pid: int) -> None:
+    """Serves the rank ``rank_pid`` over the connection ``conn_fd`` with the slab memory
+    ``memory_fd``, in a fresh interpreter (``main``) or a child of the writer zygote
+    (``save/writer_zygote.py``)."""
+    conn = Connection(conn_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles Ctrl-C and closes us
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=_watch_rank, args=(rank_pid,), daemon=True).start()
     os.nice(NICENESS)
     torch.set_num_threads(1)
-    spec: WriterSpec = receive(conn)
-    _mapping, memory = attach(int(argv[2]), spec.memory_bytes)
+    try:
+        spec: WriterSpec = receive(conn)
+    except EOFError:  # the rank closed the connection before it asked for anything
+        return
+    _mapping, memory = attach(memory_fd, spec.memory_bytes)
     worker = Worker(conn, spec, memory)
     worker.warm()
     worker.run()
+
+
+def main(argv: list[str]) -> None:
+    serve(int(argv[1]), int(argv[2]), os.getppid())
     sys.stdout.flush()
     os._exit(0)
 
