@@ -55,17 +55,12 @@ def _step(model, opt, step: int, rank: int, hot: int | None = None) -> None:
     opt.step()
 
 
-def _chain(
-    rank: int, world_size: int, root: str, options: dict, device: str = "cpu", fresh: bool = False
-) -> dict:
+def _chain(rank: int, world_size: int, root: str, options: dict, device: str = "cpu") -> dict:
     """Saves a chain with steps trained in every window, then restores each step in a fresh
-    model and trains on; everything compared exactly. ``fresh``: the writer processes are
-    fresh interpreters (as under torchrun), not forked from the launcher's zygote."""
+    model and trains on; everything compared exactly (the writer processes forked from the
+    launcher's zygote: a fresh interpreter's start is tested below)."""
     from embckpt import CheckpointConfig, Checkpointer
-    from embckpt.save.writer_zygote import ZYGOTE_ENV
 
-    if fresh:
-        del os.environ[ZYGOTE_ENV]
     config = CheckpointConfig(writer="process", **SMALL_SLABS, **options)
     model, opt = tm.build(world_size, seed=0, device=device)
     out: dict = {"kinds": [], "copied": [], "windows": 0}
@@ -139,15 +134,12 @@ def _blocks_of(state: dict) -> dict:
     return blocks
 
 
-@pytest.mark.parametrize(
-    ("options", "fresh"), [({"policy": "incremental", "full_every": 3}, False), (LOSSY, True)]
-)
-def test_process_writer_chain_restores_what_it_meant(options: dict, fresh: bool) -> None:
-    """Forked from the launcher's writer zygote, or started as fresh interpreters."""
+@pytest.mark.parametrize("options", [{"policy": "incremental", "full_every": 3}, LOSSY])
+def test_process_writer_chain_restores_what_it_meant(options: dict) -> None:
     with tempfile.TemporaryDirectory() as root:
-        results = run_ranks(_chain, 2, root, options, "cpu", fresh, timeout_s=240)
+        results = run_ranks(_chain, 2, root, options, timeout_s=240)
     for rank, out in enumerate(results):
-        assert out["parent_is_rank"] == fresh, rank
+        assert not out["parent_is_rank"], rank  # forked by the zygote
         kinds = [kind for kind, _ in out["kinds"]]
         assert kinds[0] == "full" and "diff" in kinds, (rank, out["kinds"])
         assert out["windows"] > 0  # steps ran while rows were being copied
@@ -226,23 +218,30 @@ def test_a_failing_writer_process_fails_the_save_on_every_rank(exit_code: int | 
     assert results[0]["second_pid"] == results[0]["first_pid"]
 
 
-def _dies_with_writer(rank: int, world_size: int, root: str, pid_file: str) -> None:
+def _dies_with_writer(rank: int, world_size: int, root: str, pid_file: str, fresh: bool) -> None:
     from embckpt import CheckpointConfig, Checkpointer
+    from embckpt.save.writer_zygote import ZYGOTE_ENV
 
+    if fresh:  # a fresh interpreter, the rank's child (as under torchrun)
+        del os.environ[ZYGOTE_ENV]
     model, opt = tm.build(world_size, seed=0)
     ckpt = Checkpointer(model, root, optimizer=opt, config=CheckpointConfig(writer="process"))
     ckpt.save(0).wait()
-    Path(pid_file).write_text(str(ckpt._saver.process.pid))
+    pid = ckpt._saver.process.pid
+    Path(pid_file).write_text(f"{pid} {int(_parent(pid) == os.getpid())}")
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no exit handlers
 
 
-def test_the_writer_process_ends_with_its_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fresh", [False, True])
+def test_the_writer_process_ends_with_its_rank(tmp_path: Path, fresh: bool) -> None:
+    """Forked by the zygote (it watches the rank) or the rank's child (it watches its parent)."""
     from embckpt.examples.launcher import RankFailed
 
     pid_file = tmp_path / "writer.pid"
     with pytest.raises(RankFailed):
-        run_ranks(_dies_with_writer, 1, str(tmp_path / "ckpt"), str(pid_file), timeout_s=120)
-    writer = int(pid_file.read_text())
+        run_ranks(_dies_with_writer, 1, str(tmp_path / "ckpt"), str(pid_file), fresh)
+    writer, child = map(int, pid_file.read_text().split())
+    assert child == fresh
     deadline = time.monotonic() + 10
     while _running(writer) and time.monotonic() < deadline:
         time.sleep(0.1)
