@@ -239,7 +239,7 @@ def test_the_writer_process_ends_with_its_rank(tmp_path: Path, fresh: bool) -> N
 
     pid_file = tmp_path / "writer.pid"
     with pytest.raises(RankFailed):
-        run_ranks(_dies_with_writer, 1, str(tmp_path / "ckpt"), str(pid_file), fresh)
+        run_ranks(_dies_with_writer, 1, str(tmp_path / "ckpt"), str(pid_file), fresh, timeout_s=120)
     writer, child = map(int, pid_file.read_text().split())
     assert child == fresh
     deadline = time.monotonic() + 10
