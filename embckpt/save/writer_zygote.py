@@ -47,14 +47,20 @@ _CONNECT_S = 10.0  # the zygote binds its socket a moment after it starts
 _FORK_S = 120.0  # the first request waits for the zygote's imports
 
 _started: dict[str, str] = {}  # this launcher's zygote: ZYGOTE_ENV -> its socket
+_starting = threading.Lock()
 
 
 def start_writer_zygote() -> dict[str, str]:
     """Starts this process's writer zygote (once); returns the environment its ranks need
     (``{EMBCKPT_WRITER_ZYGOTE: socket}``). Ranks started with it fork their writer processes
     from the zygote; ranks started without it start fresh interpreters."""
-    if _started:
+    with _starting:
+        if not _started:
+            _start()
         return dict(_started)
+
+
+def _start() -> None:
     folder = tempfile.mkdtemp(prefix="embckpt-writers-")  # mode 0700: this user's only
     path = os.path.join(folder, "zygote.sock")
     env = dict(os.environ)
@@ -66,7 +72,6 @@ def start_writer_zygote() -> dict[str, str]:
     )
     atexit.register(_stop_zygote, proc, folder)
     _started[ZYGOTE_ENV] = path
-    return dict(_started)
 
 
 def _stop_zygote(proc: subprocess.Popen[bytes], folder: str) -> None:
@@ -90,6 +95,14 @@ class ForkedProcess:
         self._lock = threading.Lock()  # one reader of the socket at a time
         self.pid = pid
         self.returncode: int | None = None
+        try:  # signals reach this child even once its pid is reused (the zygote reaps it)
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -104,11 +117,15 @@ class ForkedProcess:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
-            try:
+        if self.poll() is not None:
+            return
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            else:
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        except ProcessLookupError:
+            pass
 
     def _read(self, timeout: float | None) -> None:
         """Reads the child's exit status if it comes within ``timeout``; a zygote that is gone
