@@ -70,11 +70,13 @@ def _start() -> None:
         stdin=subprocess.PIPE,
         env=env,
     )
-    atexit.register(_stop_zygote, proc, folder)
+    atexit.register(_stop_zygote, proc, folder, os.getpid())
     _started[ZYGOTE_ENV] = path
 
 
-def _stop_zygote(proc: subprocess.Popen[bytes], folder: str) -> None:
+def _stop_zygote(proc: subprocess.Popen[bytes], folder: str, starter: int) -> None:
+    if os.getpid() != starter:  # a forked child of the launcher leaves the zygote alone
+        return
     assert proc.stdin is not None
     proc.stdin.close()  # the zygote reads its end and exits; its children live on
     try:
