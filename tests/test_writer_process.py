@@ -5,7 +5,9 @@ whatever the steps did in the window, and a job restored from them must train on
 writer. A writer process that fails or dies mid-save fails that save on every rank, naming the
 cause, leaves the previous checkpoint restorable, never stops training, and the next save
 works (a new process; a full where the codec needed the old one's reference). A rank that dies
-takes its writer process with it.
+takes its writer process with it. Ranks of the launcher fork their writer processes from its
+writer zygote (save/writer_zygote.py), each taking what its rank would give a child; without
+one (torchrun, or a zygote that has ended) each is a fresh interpreter.
 """
 
 from __future__ import annotations
