@@ -318,17 +318,21 @@ class _NotingHandler(FaultyHandler):
         if "/tables/" in path:
             notes = Path(os.environ["NOTES"]) / f"{os.getpid()}"
             notes.write_text(f"{os.environ.get('MARK')} {os.getcwd()}")
+            print(f"noted by {os.getpid()}", file=sys.stderr, flush=True)
         return super().open_output_stream(path, metadata)
 
 
 def _inherits(rank: int, world_size: int, root: str) -> dict:
-    """Set after the launcher started the zygote: the rank's environment and directory."""
+    """Set after the launcher started the zygote: the rank's environment, directory and
+    stderr."""
     import pyarrow.fs as pafs
 
     from embckpt import CheckpointConfig, Checkpointer
 
     os.environ.update(MARK=f"rank {rank}", NOTES=f"{root}/notes")
     os.chdir(f"{root}/cwd{rank}")
+    with open(f"{root}/stderr{rank}", "w") as err:  # the rank's stderr from now on
+        os.dup2(err.fileno(), 2)
     model, opt = tm.build(world_size, seed=0)
     store = pafs.PyFileSystem(_NotingHandler())
     config = CheckpointConfig(writer="process", pipeline="full")
@@ -349,6 +353,7 @@ def test_a_forked_writer_takes_what_its_rank_would_give_a_child(tmp_path: Path) 
         assert out["forked"], rank  # by the zygote, not started by the rank
         noted = (tmp_path / "notes" / str(out["writer"])).read_text()
         assert noted == f"rank {rank} {tmp_path}/cwd{rank}", (rank, noted)
+        assert f"noted by {out['writer']}" in (tmp_path / f"stderr{rank}").read_text(), rank
 
 
 def _kernels_before_save(rank: int, world_size: int, root: str) -> dict:

@@ -17,10 +17,10 @@ only), and exits when the launcher that started it does (its stdin closes).
 
 Protocol, on a Unix socket in a folder only this user can open: a rank connects and sends
 ``fork <its pid> <size>``, then ``size`` bytes of JSON (what a child of the rank would inherit:
-environment, working directory, import path, niceness, umask), with its two descriptors (the
-connection to the rank, the slab memory); the zygote answers ``pid N`` and, when that child
-ends, ``exit CODE`` (negative: killed by that signal). One connection per child: it carries the
-child's exit status to the rank that owns it.
+environment, working directory, import path, niceness, umask), with four descriptors (the
+connection to the rank, the slab memory, the rank's stdout and stderr); the zygote answers
+``pid N`` and, when that child ends, ``exit CODE`` (negative: killed by that signal). One
+connection per child: it carries the child's exit status to the rank that owns it.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def fork_writer(path: str, fds: tuple[int, int]) -> ForkedProcess:
     try:
         payload = json.dumps(_inherited()).encode()
         head = f"fork {os.getpid()} {len(payload)}\n".encode()
-        socket.send_fds(sock, [head + payload], list(fds))
+        socket.send_fds(sock, [head + payload], [*fds, 1, 2])  # and where it writes
         sock.settimeout(_FORK_S)
         line = _read_line(sock)
         if not line.startswith("pid "):
@@ -180,7 +180,8 @@ def fork_writer(path: str, fds: tuple[int, int]) -> ForkedProcess:
 
 def _inherited() -> dict[str, Any]:
     """What a child of this rank inherits, which the zygote's child takes in its place: the
-    environment (credentials, settings), working directory, import path, niceness and umask."""
+    environment (credentials, settings), working directory, import path, niceness and umask
+    (its stdout and stderr go with the descriptors)."""
     umask = None
     try:
         with open("/proc/self/status") as status:  # read without setting it (threads)
@@ -196,7 +197,10 @@ def _inherited() -> dict[str, Any]:
     }
 
 
-def _take(inherited: dict[str, Any]) -> None:
+def _take(inherited: dict[str, Any], stdio: list[int]) -> None:
+    for target, fd in zip((1, 2), stdio, strict=True):  # the rank's stdout and stderr
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(inherited["env"])
     os.chdir(inherited["cwd"])
@@ -254,10 +258,10 @@ class _Zygote:
         fds: list[int] = []
         try:
             conn.settimeout(_CONNECT_S)  # a request comes whole at once: never wait long
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
             head, _, payload = data.partition(b"\n")
             kind, rank_pid, size = head.decode().split()
-            if kind != "fork" or len(fds) != 2:
+            if kind != "fork" or len(fds) != 4:
                 raise ValueError(f"not a request: {head!r}")
             while len(payload) < int(size):
                 chunk = conn.recv(int(size) - len(payload))
@@ -322,7 +326,7 @@ class _Zygote:
                     sock.close()
             os.close(self.wake_r)
             os.close(sys.stdin.fileno())
-            _take(inherited)
+            _take(inherited, fds[2:])
             from embckpt.save import writer_worker
 
             writer_worker.serve(fds[0], fds[1], rank_pid)
