@@ -35,7 +35,7 @@ from embckpt.errors import SaveError
 from embckpt.save.reference import ReferenceEdit
 from embckpt.save.shared_memory import SharedMemory
 from embckpt.save.writer_worker import WriterSpec, receive, send
-from embckpt.save.writer_zygote import ZYGOTE_ENV, ForkedProcess, fork_writer
+from embckpt.save.writer_zygote import ZYGOTE_ENV, ForkedProcess, fork_writer, interpreter_env
 
 log = logging.getLogger(__name__)
 
@@ -261,12 +261,10 @@ def _started(fds: tuple[int, int]) -> Process:
             return fork_writer(address, fds)
         except (OSError, EOFError) as exc:
             log.warning("writer zygote %s unavailable (%s): starting an interpreter", address, exc)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     return subprocess.Popen(
         [sys.executable, "-m", "embckpt.save.writer_worker", *map(str, fds)],
         pass_fds=fds,
-        env=env,
+        env=interpreter_env(),
         stdin=subprocess.DEVNULL,
     )
 

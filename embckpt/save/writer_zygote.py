@@ -60,15 +60,21 @@ def start_writer_zygote() -> dict[str, str]:
         return dict(_started)
 
 
+def interpreter_env() -> dict[str, str]:
+    """The environment of a fresh interpreter that imports what this process imports: this
+    process's, with its import path as ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    return env
+
+
 def _start() -> None:
     folder = tempfile.mkdtemp(prefix="embckpt-writers-")  # mode 0700: this user's only
     path = os.path.join(folder, "zygote.sock")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "embckpt.save.writer_zygote", path],
         stdin=subprocess.PIPE,
-        env=env,
+        env=interpreter_env(),
     )
     atexit.register(_stop_zygote, proc, folder, os.getpid())
     _started[ZYGOTE_ENV] = path
@@ -228,11 +234,11 @@ class _Zygote:
         self.listener.bind(f"{path}.binding")
         self.listener.listen(64)
         os.rename(f"{path}.binding", path)  # the path appears listening: refused means gone
-        self.wake_r, wake_w = os.pipe()
+        self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
-        os.set_blocking(wake_w, False)
+        os.set_blocking(self.wake_w, False)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: the wakeup fd is written
-        signal.set_wakeup_fd(wake_w)
+        signal.set_wakeup_fd(self.wake_w)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "launcher")
@@ -325,6 +331,7 @@ class _Zygote:
                 if isinstance(sock, socket.socket):
                     sock.close()
             os.close(self.wake_r)
+            os.close(self.wake_w)
             os.close(sys.stdin.fileno())
             _take(inherited, fds[2:])
             from embckpt.save import writer_worker
