@@ -9,12 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from embckpt.examples.launcher import preload_in_ranks
+
 os.environ.setdefault("LOCAL_WORLD_SIZE", "2")
 # Without a GPU, Triton's kernels (codecs/device_kernels.py, tested in test_device_encode.py)
 # run in its interpreter. It must be on before anything imports triton (torchrec and FBGEMM
 # do): Triton's own library functions are built when it is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Imported once by each worker's fork server rather than by every rank: the test modules that
+# define rank functions import pytest (0.06 s of CPU a rank, for about 280 ranks a run).
+preload_in_ranks("pytest", "toy_model", "faultfs", "fault_schedules", "shard_compare")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

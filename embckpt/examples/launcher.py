@@ -71,6 +71,14 @@ PRELOAD = (
     __name__,
     "embckpt.codecs.preload",  # the codecs' kernels loaded, scikit-learn imported
 )
+_also_preloaded: list[str] = []
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Has the fork server import ``modules`` too, besides ``PRELOAD``: the modules a caller's
+    rank functions need (a test suite's helpers, ``pytest``), which every rank would otherwise
+    import again. Takes effect when the fork server starts (the first launch of a process)."""
+    _also_preloaded.extend(m for m in modules if m not in _also_preloaded)
 
 
 def rank_context() -> Any:
@@ -83,7 +91,7 @@ def rank_context() -> Any:
     if torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD, *_also_preloaded])
     return ctx
 
 
