@@ -3,8 +3,8 @@
 Rank 0 prepares the step folder (refusing a committed or an older step); every rank folds its
 trackers, marks the rows that change without a lookup, takes its statefuls' state and its
 fused-optimizer counters, and gathers, in one collective, its dirty fractions, its interval
-measurements, whether its writer's reference is set and any error; the policy, fed identical
-inputs, then decides identically everywhere.
+measurements, whether its writer's reference is set and any error (rank 0's refusal among
+them); the policy, fed identical inputs, then decides identically everywhere.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from embckpt import dense, failpoints
 from embckpt.codecs import Codec
-from embckpt.errors import RankError, SaveError, SaveRankError
+from embckpt.errors import SaveError, SaveRankError
 from embckpt.interval import IntervalMeasurements
 from embckpt.policy import Decision, Kind, PolicyInput
 from embckpt.save.commit_manifest import chain_bytes
@@ -50,19 +50,20 @@ def decide(
     """Decides the checkpoint, the same on every rank, and takes what the snapshot copies:
     the statefuls' state and every rank's fused-optimizer counters."""
     comm = ctx.comm
+    # Rank 0's refusal is its error in the agreement below, which every rank reaches.
+    refusal = prepare_step_folder(ctx.store, step) if comm.rank == 0 else None
     try:
-        problem = comm.broadcast(prepare_step_folder(ctx.store, step) if comm.rank == 0 else None)
-    except RankError as exc:
-        raise SaveRankError(f"step {step}: {exc}") from exc
-    if problem is not None:
-        raise SaveError(problem)
-    state.tracker.fold()  # collective for replicated tables: before anything may raise
+        state.tracker.fold()  # collective for replicated tables: before anything may raise
+    except RuntimeError as exc:  # the group itself failed (a peer died)
+        raise SaveRankError(f"step {step}: folding trackers across ranks failed: {exc}") from exc
     local = [0.0, 0.0, 0.0]
     scalars: dict[str, Scalar] = {}
     measured = state.clock.collect(state.last_blocked_s)
     states: dict[str, Any] = {}
-    error: BaseException | None = None
+    error: BaseException | None = None if refusal is None else SaveError(refusal)
     try:
+        if error is not None:
+            raise error
         failpoints.hit("save.decide")
         states = take_statefuls(ctx, step)
         mark_moving_rows(ctx, state.tracker)
@@ -72,7 +73,7 @@ def decide(
             local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
             local[2] += shard.num_rows * shard.num_cols
     except Exception as exc:  # raised on every rank by the agreement below
-        error = as_save_error(exc, step, comm.rank, "deciding")
+        error = error or as_save_error(exc, step, comm.rank, "deciding")
     times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
     # Every rank's reference: a writer process that died took its rank's with it.
     ready = state.reference.ready
@@ -164,7 +165,7 @@ def prepare_step_folder(store: CheckpointStore, step: int) -> str | None:
             )
         if states.get(step) is False:
             store.remove_step(step)  # debris of an interrupted save of this step
-    except Exception as exc:  # broadcast: the other ranks must not wait for an answer
+    except Exception as exc:  # a refusal: the other ranks must not wait for an answer
         return f"step {step}: rank 0: cannot prepare {store.step_path(step)}: {exc}"
     return None
 

@@ -3,9 +3,10 @@
 Runs on the persist thread (inline with ``pipeline="off"``) and changes no saver state: it
 returns the committed manifest or raises, the same on every rank, and the training thread
 applies that outcome (``save/transaction.py``). Order: the last piece is staged (the next weight
-update waits for it), rows and dense files are written, ranks agree, rank 0 writes the manifest,
-ranks agree again; then, with ``keep_last`` set, rank 0 applies retention and the ranks meet
-once more. On any failure rank 0 deletes the step's files.
+update waits for it), rows and dense files are written, ranks agree (gathering what each wrote,
+in the same collective), rank 0 writes the manifest, ranks agree again; then, with
+``keep_last`` set, rank 0 applies retention and the ranks meet once more. On any failure rank 0
+deletes the step's files.
 """
 
 from __future__ import annotations
@@ -125,14 +126,18 @@ class Persister:
             self._release_guard()
             if error is None:
                 error = self._write_rest(snapshot)
+            error = as_save_error(error, step, comm.rank)
+            # One collective agrees and gathers what each rank wrote, with its phases and the
+            # moment it arrived (see _waited).
             agreeing = time.perf_counter()
-            comm.check(as_save_error(error, step, comm.rank), f"saving step {step}", SaveRankError)
-            phases = snapshot.clock.seconds()  # commit: the agreement (the gather is not counted)
-            phases["commit"] += time.perf_counter() - agreeing
             gathered = comm.gather_checked(
-                (self._reported(snapshot), phases), None, f"saving step {step}", SaveRankError
+                (self._reported(snapshot), snapshot.clock.seconds(), time.time()),
+                error,
+                f"saving step {step}",
+                SaveRankError,
             )
-            manifest = self._manifest(snapshot, gathered)
+            took = time.perf_counter() - agreeing
+            manifest = self._manifest(snapshot, _waited(gathered, comm.rank, took))
             error = None
             if comm.rank == 0:
                 try:
@@ -323,6 +328,22 @@ def _begin(snapshot: Snapshot) -> tuple[Any, ...]:
         transaction.edits.capture is not None,
         transaction.rebuilds_reference,
     )
+
+
+def _waited(
+    gathered: list[tuple[Reported, dict[str, float], float]], rank: int, took: float
+) -> list[tuple[Reported, dict[str, float]]]:
+    """Each rank's report, its ``commit`` phase counting its time in the agreement, as a
+    collective of its own timed it before: its wait, from its arrival to the last rank's by
+    the ranks' clocks, plus the collective's latency once all had arrived, as this rank saw it
+    (``took``, its own time in it). The agreement gathers the phases, so no rank can time it
+    before sending them."""
+    last = max(arrived for _, _, arrived in gathered)
+    latency = max(0.0, took - (last - gathered[rank][2]))
+    return [
+        (report, {**phases, "commit": phases["commit"] + max(0.0, last - arrived) + latency})
+        for report, phases, arrived in gathered
+    ]
 
 
 def as_save_error(
