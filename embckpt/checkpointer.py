@@ -326,7 +326,11 @@ class Checkpointer:
         if result is not None and result.partial is not None:
             self._saver.restore_failed()  # no chain holds this mix of steps: the next is a full
         if result is not None:
-            self._settle_newer(result.manifest.step, discard_newer)
+            if step is not None or self.tiers is not None:
+                # Without a step, the restore took the newest committed one: nothing newer to
+                # move or warn of (only the job holding the directory commits), so no listing
+                # and no collective.
+                self._settle_newer(result.manifest.step, discard_newer)
             if self.tiers is not None:
                 self.tiers.settle_newer(result.manifest.step, discard_newer)
         return result
