@@ -3,7 +3,8 @@
 Used by the demo, the benchmarks and the multi-rank tests, so all three start ranks the same way.
 
 Ranks are forked from multiprocessing's fork server, which imports torch, TorchRec and embckpt
-once (``PRELOAD``) and loads the codecs' kernels (``codecs/preload.py``): a fresh rank then
+once (``PRELOAD``, and the modules a caller names with :func:`preload_in_ranks`: a test suite's
+helpers) and loads the codecs' kernels (``codecs/preload.py``): a fresh rank then
 starts in a fraction of a second instead of importing and loading them again, as a spawned one
 would. Each rank is still a new process with its own process group. It gets what a spawned
 rank inherits from its caller at the moment it starts, where a forked one would take the fork
