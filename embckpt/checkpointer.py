@@ -124,12 +124,21 @@ class Checkpointer:
                         log.info("removed leftovers of interrupted saves: steps %s", cleaned)
             except Exception as exc:  # raised on every rank below
                 error = exc
-        # The root exists and is ours before any rank lists it.
-        self.comm.check(error, f"opening {self.store.uri}")
+        sharded: ShardedModel | None = None
+        mine: tuple[dict[str, tuple[tuple[str, ...], tuple[str, ...]]], float] = ({}, 0.0)
+        try:
+            sharded = discover(model, self.comm.rank)
+            mine = (sharded.state_names(), sharded.local_fp32_bytes())
+        except Exception as exc:  # raised on every rank below, not left to hang the others
+            error = error or exc
+        # The root exists and is ours before any rank lists it; the same collective gathers
+        # every rank's state names and fp32 bytes.
+        gathered = self.comm.gather_checked(mine, error, f"opening {self.store.uri}")
+        assert sharded is not None  # discovered, or every rank raised
+        self.sharded: ShardedModel = sharded
         self.tiers = open_tiers(config, self.comm, self.store, self._lock)
         save_store = self.store if self.tiers is None else self.tiers.local.own
         save_store.digests = self.store.digests
-        self.sharded: ShardedModel = discover(model, self.comm.rank)
         every_row = self.sharded.every_row_blocks()
         if every_row:
             log.info(
@@ -151,7 +160,7 @@ class Checkpointer:
             threads=writer_threads(config.io_threads),
         )
         state_names: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-        for names in self.comm.all_gather(self.sharded.state_names()):
+        for names, _ in gathered:
             state_names.update(names)
         context = SaveContext(
             model=model,
@@ -164,7 +173,7 @@ class Checkpointer:
             sharded=self.sharded,
             policy=self.policy,
             tables=table_entries(self.sharded, state_names),
-            full_fp32_bytes=int(self.comm.all_sum([self.sharded.local_fp32_bytes()])[0]),
+            full_fp32_bytes=int(sum(fp32_bytes for _, fp32_bytes in gathered)),
             tiers=self.tiers,
             signing_key=self._signing_key,
         )

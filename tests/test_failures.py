@@ -131,3 +131,31 @@ def test_failures_are_caught_and_named() -> None:
     # size problem itself, rank 0 quotes it.
     assert "size is" in results[1]["truncated"]
     assert "RankError" in results[0]["truncated"] and "rank 1" in results[0]["truncated"]
+
+
+def _one_rank_cannot_open(rank: int, world_size: int, root: str) -> str:
+    import embckpt.checkpointer as checkpointer_module
+    from embckpt import Checkpointer
+
+    model, opt = tm.build(world_size, seed=0)
+    if rank == 1:
+
+        def broken(*args, **kwargs):
+            raise ValueError("cannot read this rank's tables")
+
+        checkpointer_module.discover = broken  # type: ignore[assignment]
+    try:
+        Checkpointer(model, root, optimizer=opt).close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "opened"
+
+
+def test_a_rank_that_cannot_open_fails_every_rank() -> None:
+    """One rank's failure to read its model's tables, while opening, raises on every rank, and
+    the others quote it (they used to see only its connection close, in a later collective)."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_one_rank_cannot_open, 2, root, timeout_s=120)
+    assert results[1] == "ValueError: cannot read this rank's tables", results
+    assert results[0].startswith("RankError: opening"), results
+    assert "rank 1" in results[0] and "cannot read this rank's tables" in results[0], results
