@@ -61,19 +61,18 @@ def decide(
     measured = state.clock.collect(state.last_blocked_s)
     states: dict[str, Any] = {}
     error: BaseException | None = None if refusal is None else SaveError(refusal)
-    try:
-        if error is not None:
-            raise error
-        failpoints.hit("save.decide")
-        states = take_statefuls(ctx, step)
-        mark_moving_rows(ctx, state.tracker)
-        scalars = {k: scalar_of(v) for k, v in ctx.sharded.scalar_states.items()}
-        for shard in ctx.sharded.writer_shards():
-            local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
-            local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
-            local[2] += shard.num_rows * shard.num_cols
-    except Exception as exc:  # raised on every rank by the agreement below
-        error = error or as_save_error(exc, step, comm.rank, "deciding")
+    if error is None:  # a refused step takes nothing
+        try:
+            failpoints.hit("save.decide")
+            states = take_statefuls(ctx, step)
+            mark_moving_rows(ctx, state.tracker)
+            scalars = {k: scalar_of(v) for k, v in ctx.sharded.scalar_states.items()}
+            for shard in ctx.sharded.writer_shards():
+                local[0] += state.tracker.count(shard.key, View.SINCE_LAST) * shard.num_cols
+                local[1] += state.tracker.count(shard.key, View.SINCE_FULL) * shard.num_cols
+                local[2] += shard.num_rows * shard.num_cols
+        except Exception as exc:  # raised on every rank by the agreement below
+            error = as_save_error(exc, step, comm.rank, "deciding")
     times = (measured.clean_iter_s, measured.busy_extra_s, measured.blocked_s)
     # Every rank's reference: a writer process that died took its rank's with it.
     ready = state.reference.ready

@@ -333,11 +333,10 @@ def _begin(snapshot: Snapshot) -> tuple[Any, ...]:
 def _waited(
     gathered: list[tuple[Reported, dict[str, float], float]], rank: int, took: float
 ) -> list[tuple[Reported, dict[str, float]]]:
-    """Each rank's report, its ``commit`` phase counting its time in the agreement, as a
-    collective of its own timed it before: its wait, from its arrival to the last rank's by
-    the ranks' clocks, plus the collective's latency once all had arrived, as this rank saw it
-    (``took``, its own time in it). The agreement gathers the phases, so no rank can time it
-    before sending them."""
+    """Each rank's report, its ``commit`` phase holding its time in the agreement: its wait for
+    the last rank, by the ranks' clocks (the agreement gathers the phases, so no rank can time
+    it before sending them), plus the collective's latency as this rank saw it (``took``, its
+    own time in it, less its wait)."""
     last = max(arrived for _, _, arrived in gathered)
     latency = max(0.0, took - (last - gathered[rank][2]))
     return [
