@@ -133,7 +133,12 @@ class Checkpointer:
             error = error or exc
         # The root exists and is ours before any rank lists it; the same collective gathers
         # every rank's state names and fp32 bytes.
-        gathered = self.comm.gather_checked(mine, error, f"opening {self.store.uri}")
+        try:
+            gathered = self.comm.gather_checked(mine, error, f"opening {self.store.uri}")
+        except BaseException:  # nothing opened stays held: the lock, the gloo group
+            self._lock.release()
+            self.comm.close()
+            raise
         assert sharded is not None  # discovered, or every rank raised
         self.sharded: ShardedModel = sharded
         self.tiers = open_tiers(config, self.comm, self.store, self._lock)

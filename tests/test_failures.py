@@ -11,6 +11,7 @@ import torch.distributed as dist
 import toy_model as tm
 
 from embckpt.examples.launcher import run_ranks
+from embckpt.storage.lock import LOCK_NAME
 
 
 def _on_rank0(rank: int, fn) -> None:
@@ -147,15 +148,18 @@ def _one_rank_cannot_open(rank: int, world_size: int, root: str) -> str:
     try:
         Checkpointer(model, root, optimizer=opt).close()
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        dist.barrier()  # both ranks are past the failed open
+        return f"{type(exc).__name__}: {exc}; lock left: {os.path.exists(f'{root}/{LOCK_NAME}')}"
     return "opened"
 
 
 def test_a_rank_that_cannot_open_fails_every_rank() -> None:
     """One rank's failure to read its model's tables, while opening, raises on every rank, and
-    the others quote it (they used to see only its connection close, in a later collective)."""
+    the others quote it (they used to see only its connection close, in a later collective);
+    the directory's lock, which rank 0 took, is let go."""
     with tempfile.TemporaryDirectory() as root:
         results = run_ranks(_one_rank_cannot_open, 2, root, timeout_s=120)
-    assert results[1] == "ValueError: cannot read this rank's tables", results
+    assert results[1] == "ValueError: cannot read this rank's tables; lock left: False", results
     assert results[0].startswith("RankError: opening"), results
     assert "rank 1" in results[0] and "cannot read this rank's tables" in results[0], results
+    assert results[0].endswith("lock left: False"), results  # rank 0 took it, and let it go
