@@ -94,6 +94,17 @@ def compile_huffman() -> None:
         _round_trip("asymmetric", {"bits": bits, "entropy": "huffman"})
 
 
+def load_kernels() -> None:
+    """Loads every kernel a save or a restore calls (compiled, from numba's cache) into a
+    process that others are forked from (``codecs/preload.py``, ``save/writer_zygote.py``).
+    One torch thread first: the kernels' small torch operations then never start torch's
+    OpenMP pool, which a forked child would lose (it can hang in its first parallel region)."""
+    torch.set_num_threads(1)
+    compile_adaptive_search()
+    compile_uniform()
+    compile_huffman()
+
+
 #: Parts, longest first: each compiles kernels no other part does.
 PARTS: dict[str, Callable[[], None]] = {
     "adaptive search": compile_adaptive_search,

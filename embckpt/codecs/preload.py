@@ -16,15 +16,10 @@ scikit-learn's OpenMP threads.
 
 from __future__ import annotations
 
-import torch
-
 from embckpt.codecs import precompile
 
-torch.set_num_threads(1)
+precompile.load_kernels()  # one torch thread first, then the kernels
 try:
     import sklearn.cluster  # noqa: F401  (the kmeans extra; without it kmeans never runs)
 except ImportError:
     pass
-precompile.compile_adaptive_search()
-precompile.compile_uniform()
-precompile.compile_huffman()

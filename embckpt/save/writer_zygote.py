@@ -306,15 +306,10 @@ class _Zygote:
 
     @staticmethod
     def _import() -> None:
-        import torch
-
-        torch.set_num_threads(1)  # before any kernel runs: no OpenMP pool a fork would lose
         from embckpt.codecs import precompile
         from embckpt.save import writer_worker  # noqa: F401  (what every child runs)
 
-        precompile.compile_adaptive_search()
-        precompile.compile_uniform()
-        precompile.compile_huffman()
+        precompile.load_kernels()
 
     def _child(
         self, conn: socket.socket, fds: list[int], rank_pid: int, inherited: dict[str, Any]
