@@ -204,6 +204,30 @@ def test_kernel_fp16_rounding_matches_torch() -> None:
     )
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_compiled_decode_is_the_affine_formula_bit_for_bit(bits: int) -> None:
+    """``uniform_kernels.dequantize`` (each width its own loop) gives ``scale * q + bias``
+    as numpy computes it from the unpacked codes: in float64 for fp32 parameters, float32 for
+    fp16 ones, every column count (partial bytes too) and scales from 1e-8 to 1e2."""
+    from embckpt.codecs import uniform_kernels
+
+    rng = np.random.default_rng(bits)
+    for cols in (1, 2, 3, 5, 7, 9, 16, 17, 31, 128):
+        n = 97
+        fused = rng.integers(0, 256, (n, packed_width(cols, bits)), dtype=np.uint8)
+        fused.flags.writeable = False  # as Arrow's buffers come
+        codes = unpack_codes(torch.from_numpy(fused.copy()), bits, cols).numpy()
+        scale = (rng.random(n) - 0.3) * 10.0 ** rng.integers(-8, 3, n)
+        bias = (rng.random(n) - 0.5) * 10.0 ** rng.integers(-8, 3, n)
+        wide = (codes * scale[:, None] + bias[:, None]).astype(np.float32)
+        narrow = codes.astype(np.float32) * scale.astype(np.float32)[:, None]
+        narrow += bias.astype(np.float32)[:, None]
+        for is_wide, expected in ((True, wide), (False, narrow)):
+            out = np.empty((n, cols), np.float32)
+            uniform_kernels.dequantize(fused, bits, cols, scale, bias, is_wide, out)
+            assert out.tobytes() == expected.tobytes(), (bits, cols, is_wide)
+
+
 # -- edge-case rows -------------------------------------------------------------------------
 
 
