@@ -71,7 +71,7 @@ from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
 from embckpt.storage.chain import read_chain
 from embckpt.storage.layout import MANIFEST_NAME
-from embckpt.storage.manifest import Manifest, ids_of_bare_names
+from embckpt.storage.manifest import Manifest, collector_paused, ids_of_bare_names
 from embckpt.storage.phases import RESTORE_PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,15 @@ def restore_checkpoint(
         ModelMismatchError: the model's tables differ from the checkpoint's.
         RestoreRankError: another rank failed; its reason is quoted.
     """
+    # Python's cyclic collector is off meanwhile: a restore makes tens of thousands of small
+    # objects and no cycle worth collecting, and they set off full passes over the job's
+    # heap: on the 2-core machine of benchmarks/results/, one pass of 0.3 s in about every
+    # 20th restore of a 16-link chain (benchmarks/family.py's dim128 model).
+    with collector_paused():
+        return _restore(into, step, progress)
+
+
+def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> RestoreResult | None:
     started = time.perf_counter()
     comm, store = into.comm, into.store
     threads = into.threads
