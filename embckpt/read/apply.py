@@ -25,6 +25,7 @@ import torch
 
 from embckpt.blocks import TableShard
 from embckpt.codecs.delta import DeltaCodec
+from embckpt.cores import rank_cores
 from embckpt.codecs.device_decode import decode_on_device
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
@@ -121,10 +122,7 @@ def apply_staged(
             # Other blocks than the waves': written after them or beside them alike.
             chain_futures = submit_all(
                 pool,
-                [
-                    (inline_size(_encoded_bytes(files)), apply_block_chain, (files, clock))
-                    for files in blocks
-                ],
+                [(_chain_inline_size(files), apply_block_chain, (files, clock)) for files in blocks],
             )
             for future in chain_futures:
                 weights, found = future.result()
@@ -139,8 +137,18 @@ def apply_staged(
     return written
 
 
-def _encoded_bytes(files: Sequence[StagedFile]) -> int:
-    return sum(file.read.planned_bytes for file in files)
+def _chain_inline_size(files: Sequence[StagedFile]) -> int | None:
+    """What ``submit_all`` weighs for one block's chain pass: on a rank of one core, nothing
+    (it runs on the calling thread, whatever its bytes), else its encoded bytes where small.
+
+    Why: a chain pass is mostly Python, a few thousand rows at a time, so on one core a
+    second thread gains little overlap and pays the GIL's hand-overs. Measured on the 2-core
+    machine of ``benchmarks/results/`` (2 ranks, 2 threads each, interleaved rounds): the
+    16-link chain of ``benchmarks/family.py``'s dim128 model restored in 208 ms instead of
+    254 (best of 20), 370 ms of CPU instead of 463; rows10M_dim16's 6-link chain, whose
+    10M-row table's diffs are on one rank, took as long either way."""
+    encoded = sum(file.read.planned_bytes for file in files)
+    return 0 if rank_cores() <= 1 else inline_size(encoded)
 
 
 class _FileTasks:
