@@ -25,10 +25,10 @@ import torch
 
 from embckpt.blocks import TableShard
 from embckpt.codecs.delta import DeltaCodec
-from embckpt.cores import rank_cores
 from embckpt.codecs.device_decode import decode_on_device
 from embckpt.codecs.raw import RawCodec
 from embckpt.codecs.uniform import UniformCodec
+from embckpt.cores import rank_cores
 from embckpt.read import cells
 from embckpt.read.cells import (
     RowStateRows,
@@ -122,7 +122,10 @@ def apply_staged(
             # Other blocks than the waves': written after them or beside them alike.
             chain_futures = submit_all(
                 pool,
-                [(_chain_inline_size(files), apply_block_chain, (files, clock)) for files in blocks],
+                [
+                    (_chain_inline_size(files), apply_block_chain, (files, clock))
+                    for files in blocks
+                ],
             )
             for future in chain_futures:
                 weights, found = future.result()
