@@ -25,7 +25,7 @@ from embckpt.report import build_report
 from embckpt.storage.chain import read_manifest
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
-from embckpt.storage.paths import path_problem
+from embckpt.storage.paths import path_problem, real_path_below
 from embckpt.storage.verify import verify
 
 DENSE = "dense/model.safetensors"
@@ -264,3 +264,18 @@ def test_verify_of_one_step_fails_on_its_crafted_parent(run_copy: Path, tmp_path
     CRAFTS["dotdot"](_step_dir(directory, 10), tmp_path / "outside")
     report = verify(CheckpointStore(directory), 15)
     assert not report.ok
+
+
+def test_real_path_below_is_realpath(tmp_path: Path) -> None:
+    """The resolution ``check_contained`` uses gives ``os.path.realpath``'s answer: plain
+    names, a link in the middle of the path, a link to a link, and a name it refuses."""
+    base = tmp_path / "base"
+    (base / "a" / "b").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (base / "a" / "up").symlink_to(tmp_path / "out", target_is_directory=True)
+    (base / "a" / "again").symlink_to(base / "a" / "up", target_is_directory=True)
+    real = os.path.realpath(base)
+    for relative in ("a", "a/b", "a/b/file", "a/up", "a/up/x", "a/again/y", "a/../a/b"):
+        expected = os.path.realpath(os.path.join(real, relative))
+        assert real_path_below(real, relative) == expected, relative
+    assert real_path_below(real, "a/up/x") == os.path.join(os.path.realpath(tmp_path), "out/x")

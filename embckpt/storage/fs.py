@@ -29,7 +29,7 @@ from embckpt.storage import checksum as checksums
 from embckpt.storage.checked import check_whole, open_rows_from
 from embckpt.storage.layout import MANIFEST_NAME, is_temp, step_dir_name, step_of_dir, temp_name
 from embckpt.storage.manifest import FileEntry, WrittenFile
-from embckpt.storage.paths import path_problem
+from embckpt.storage.paths import path_problem, real_path_below
 from embckpt.storage.phases import PhaseClock, timed
 from embckpt.storage.signing import VerifyKeys, digest
 from embckpt.storage.sink import ChecksumSink, StreamedFile
@@ -139,6 +139,7 @@ class CheckpointStore:
         self.digests = digests
         self.verify_keys = verify_keys
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._real_root: str | None = None
 
     # -- layout ---------------------------------------------------------------------------------
     def step_path(self, step: int, relative: str = "") -> str:
@@ -358,12 +359,14 @@ class CheckpointStore:
         """
         if not self.is_local:
             return
-        folder = os.path.realpath(self.step_path(step))
-        real_folders: dict[str, str] = {}
+        if self._real_root is None:  # resolved once: the store's root is the user's choice
+            self._real_root = os.path.realpath(self.root)
+        folder = real_path_below(self._real_root, step_dir_name(step))
+        real_folders: dict[str, str] = {"": folder}
         for relative in relatives:
             parent, _, name = relative.rpartition("/")
             if parent not in real_folders:
-                real_folders[parent] = os.path.realpath(self.step_path(step, parent))
+                real_folders[parent] = real_path_below(folder, parent)
             real = os.path.join(real_folders[parent], name)
             if os.path.islink(real):
                 real = os.path.realpath(real)
