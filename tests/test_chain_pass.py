@@ -307,12 +307,13 @@ def test_changes_by_width_group_add_as_the_dense_decode() -> None:
     for i, (changes, values) in enumerate(zip(sparse, dense, strict=True)):
         n = len(values)
         span = slice(5, n - 3)  # the file's rows this block holds
-        mask = rng.random(span.stop - span.start) < 0.7
         local = np.sort(rng.choice(200, size=span.stop - span.start, replace=False))
-        block = rng.standard_normal((200, COLS + 4)).astype(np.float32)
-        block[local[::4], 2:6] = -0.0
-        expected = block.copy()
-        kept = values[span][mask][:, 3:9].numpy()
-        expected[local[mask], 4:10] += kept
-        add_changes(changes, span, mask, local, block[:, 4:10], slice(3, 9))
-        assert np.array_equal(block.view(np.int32), expected.view(np.int32)), i
+        for mask in (rng.random(span.stop - span.start) < 0.7, None):
+            keeps = np.ones(len(local), dtype=bool) if mask is None else mask
+            block = rng.standard_normal((200, COLS + 4)).astype(np.float32)
+            block[local[::4], 2:6] = -0.0
+            expected = block.copy()
+            kept = values[span][keeps][:, 3:9].numpy()
+            expected[local[keeps], 4:10] += kept
+            add_changes(changes, span, mask, local, block[:, 4:10], slice(3, 9))
+            assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (i, mask)

@@ -72,8 +72,10 @@ def compile_uniform() -> None:
     for dtype in (np.float32, np.float64):  # delta rows added into a block (read/cells.py)
         row_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
     block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes by width group
-    row_kernels.add_picked(block, rows, np.ones((3, _COLS), np.float32), rows)
-    row_kernels.add_zero(block, rows)
+    no_mask = np.zeros(0, dtype=bool)
+    row_kernels.add_spanned(
+        block, rows, np.ones((3, _COLS), np.float32), 0, 0, 4, False, no_mask, rows
+    )
 
 
 def compile_kmeans_and_huffman() -> None:

@@ -5,9 +5,9 @@ Why: ``DeltaCodec.decode_many`` writes each file's changes into a fresh zeroed a
 rows included, which the chain pass copied again where a keep mask drops rows, then added:
 three passes over memory, the first one page faults on fresh pages. Here each width group still
 decodes once for all the files (the same decode, the same values), and the rows a block keeps
-are added from the group's values where they lie (``row_kernels.add_picked``); width-0 rows
-get their zero change added (``row_kernels.add_zero``: a -0.0 becomes +0.0, as the dense
-addition makes it). Each cell gets the same one float addition as before, in the same order.
+are added from the group's values where they lie, by one kernel call per width group
+(``row_kernels.add_spanned``); width-0 rows get their zero change added (a -0.0 becomes +0.0,
+as the dense addition makes it). Each cell gets the same one float addition as before.
 """
 
 from __future__ import annotations
@@ -72,17 +72,22 @@ def add_changes(
     # of a second in a process that has decoded nothing yet).
     from embckpt.codecs import row_kernels
 
+    masked = mask is not None
+    keep = mask if mask is not None else _NO_MASK
+    rows = np.ascontiguousarray(local, dtype=np.int64)
     for positions, values in changes.parts:
-        a, b = np.searchsorted(positions, [span.start, span.stop])
-        at = positions[a:b] - span.start
-        pick = np.arange(a, b, dtype=np.int64)
-        if mask is not None:
-            kept = mask[at]
-            at, pick = at[kept], pick[kept]
-        if not len(at):
-            continue
-        rows = np.ascontiguousarray(local[at], dtype=np.int64)
-        if values is None:
-            row_kernels.add_zero(out, rows)
-        else:
-            row_kernels.add_picked(out, rows, values[:, in_file], pick)
+        row_kernels.add_spanned(
+            out,
+            positions,
+            _NO_VALUES if values is None else values,
+            in_file.start,
+            span.start,
+            span.stop,
+            masked,
+            keep,
+            rows,
+        )
+
+
+_NO_MASK = np.zeros(0, dtype=bool)
+_NO_VALUES = np.zeros((0, 0), dtype=np.float32)
