@@ -351,7 +351,8 @@ class CheckpointStore:
     def check_contained(self, step: int, relatives: Iterable[str], manifest_path: str) -> None:
         """Refuses, on local disks, file names that leave the step folder through a symbolic
         link (their spelling is checked when the manifest is parsed): the real path of each
-        file must lie under the real path of the step folder. Folders are resolved once each;
+        file must lie under the real path of the step folder. The store's root is resolved once,
+        each folder below it once per call (``paths.real_path_below``: one ``lstat`` a name);
         a file itself costs one ``lstat`` unless it is a link.
 
         Raises:
