@@ -277,3 +277,30 @@ def test_row_groups_that_newer_diffs_replace_are_not_fetched(tmp_path: Path) -> 
     seconds = clock.seconds()
     assert set(seconds) == {"plan", "fetch", "verify", "decode", "apply"}
     assert seconds["decode"] > 0 and seconds["apply"] > 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_restore_pauses_the_collector_and_gives_it_back(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    """``restore_checkpoint`` runs with Python's cyclic collector off, and leaves it as it
+    found it, on failure too (a job that turned it off keeps it off)."""
+    import gc
+
+    from embckpt.read import restore
+
+    seen: list[bool] = []
+
+    def failing(*_: object) -> None:
+        seen.append(gc.isenabled())
+        raise RuntimeError("reading failed")
+
+    monkeypatch.setattr(restore, "_restore", failing)
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with pytest.raises(RuntimeError, match="reading failed"):
+            restore.restore_checkpoint(None, 5)  # type: ignore[arg-type]
+        assert seen == [False] and gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
