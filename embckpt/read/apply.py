@@ -148,8 +148,9 @@ def _chain_inline_size(files: Sequence[StagedFile]) -> int | None:
     second thread gains little overlap and pays the GIL's hand-overs. Measured on the 2-core
     machine of ``benchmarks/results/`` (2 ranks, 2 threads each, interleaved rounds): the
     16-link chain of ``benchmarks/family.py``'s dim128 model restored in 208 ms instead of
-    254 (best of 20), 370 ms of CPU instead of 463; rows10M_dim16's 6-link chain, whose
-    10M-row table's diffs are on one rank, took as long either way."""
+    254 (best of 20), 370 ms of CPU instead of 463. Where one rank holds most of the chain
+    (rows10M_dim16: its 10M-row table's diffs), the other rank's idle core went unused: as
+    long over 6 links, 4-10% longer over 15."""
     encoded = sum(file.read.planned_bytes for file in files)
     return 0 if rank_cores() <= 1 else inline_size(encoded)
 
