@@ -149,8 +149,9 @@ def _chain_inline_size(files: Sequence[StagedFile]) -> int | None:
     machine of ``benchmarks/results/`` (2 ranks, 2 threads each, interleaved rounds): the
     16-link chain of ``benchmarks/family.py``'s dim128 model restored in 208 ms instead of
     254 (best of 20), 370 ms of CPU instead of 463. Where one rank holds most of the chain
-    (rows10M_dim16: its 10M-row table's diffs), the other rank's idle core went unused: as
-    long over 6 links, 4-10% longer over 15."""
+    (rows10M_dim16: its 10M-row table's diffs), a second thread could use the core the other
+    rank leaves idle, yet it measured within noise: as long over 6 links, over 15 links 4-10%
+    longer in two runs and 2% shorter in a third."""
     encoded = sum(file.read.planned_bytes for file in files)
     return 0 if rank_cores() <= 1 else inline_size(encoded)
 
