@@ -781,3 +781,24 @@ def test_the_former_name_of_additive_still_works_with_a_warning() -> None:
         assert make_codec("exponent").delta
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         make_codec("raw").nothing  # noqa: B018
+
+
+def test_a_fixed_size_payload_made_binary_reads_back_the_same_bytes() -> None:
+    """``as_binary`` (a delta diff's whole rows, packed beside its delta rows) shares the
+    bytes; ``fixed_binary_values`` reads either type, a slice of one too, and refuses binary
+    entries of different lengths."""
+    import pyarrow as pa
+
+    from embckpt.codecs.base import as_binary, fixed_binary_column, fixed_binary_values
+
+    data = np.random.default_rng(0).integers(0, 256, (50, 68), dtype=np.uint8)
+    fixed = fixed_binary_column(data)
+    binary = as_binary(fixed)
+    assert pa.types.is_binary(binary.type)
+    assert binary.to_pylist() == fixed.to_pylist()
+    np.testing.assert_array_equal(fixed_binary_values(binary), data)
+    np.testing.assert_array_equal(fixed_binary_values(as_binary(fixed.slice(7, 20))), data[7:27])
+    np.testing.assert_array_equal(fixed_binary_values(binary.slice(3, 10)), data[3:13])
+    np.testing.assert_array_equal(fixed_binary_values(pa.chunked_array([binary])), data)
+    with pytest.raises(ValueError, match="different lengths"):
+        fixed_binary_values(pa.array([b"ab", b"abc"], type=pa.binary()))

@@ -254,29 +254,45 @@ def test_merge_of_a_packed_chain_is_exact(
 
 
 def _diff_files(rank: int, world_size: int, root: str) -> dict:
+    """Writes a full and a one-shot diff (delta rows and rows written whole), then restores
+    the diff in a fresh model; returns what the writer meant it to hold and what came back."""
     from embckpt import Checkpointer
 
     model, opt = tm.build(world_size, seed=0)
     config = _config(codec="adaptive", bits=4, policy="one_shot", full_every=4)
     with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
+        ckpt.track_reconstruction()
         for step in range(1, 9):
             tm.train_step(model, opt, step, rank, hot=HOT)
             if step % 4 == 0:
                 ckpt.save(step).wait()
-        result = ckpt.restore(8)
-        assert result == 8
-    return blocks(model, opt, rank)
+        meant = ckpt.reconstruction()
+    model, opt = tm.build(world_size, seed=99)
+    with Checkpointer(model, root, optimizer=opt, config=config) as ckpt:
+        assert ckpt.restore(8) == 8
+    got = tm.writer_blocks(model, rank)
+    return {key: (meant[key]["weight"].numpy(), got[key]["weight"].numpy()) for key in meant}
 
 
 def test_adaptive_diffs_are_a_few_files_per_rank(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    run_ranks(_diff_files, 2, str(root))
+    ranks = run_ranks(_diff_files, 2, str(root))
     diff = _manifest(root, 8)
     assert diff["kind"] == "diff"
-    # Delta rows and rows written whole have different columns, and so have tables with and
-    # without row-wise optimizer state (the data-parallel one): at most four packed files.
+    # A block's delta rows and rows written whole share its packed file (the whole rows'
+    # payload written binary, as the delta's); tables with and without row-wise optimizer
+    # state (the data-parallel one) do not: at most two packed files.
     for rank, count in _rows_files_per_rank(diff).items():
-        assert count - (3 if rank == 0 else 2) <= 4, (rank, count)
+        assert count - (3 if rank == 0 else 2) <= 2, (rank, count)
+    packed = [f for f in diff["files"] if f["role"] == "rows" and f["block"] is not None]
+    parts: dict[tuple[str, str], int] = {}
+    for f in packed:
+        parts[f["path"], f["table"]] = parts.get((f["path"], f["table"]), 0) + 1
+    assert max(parts.values()) == 2, parts  # a block's two parts, in one file
+    for compared in ranks:
+        assert compared
+        for key, (meant, got) in compared.items():
+            np.testing.assert_array_equal(got, meant, err_msg=key)
 
 
 def _failing_packed_write(rank: int, world_size: int, root: str) -> dict:

@@ -190,13 +190,46 @@ def fixed_binary_column(data: np.ndarray) -> pa.FixedSizeBinaryArray:
     )
 
 
-def fixed_binary_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """The bytes of a fixed-size binary column as a uint8 array [n, width] (one copy at most)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    width = column.type.byte_width
+def as_binary(column: pa.FixedSizeBinaryArray) -> pa.BinaryArray:
+    """A fixed-size binary column as a variable-length one of the same bytes (the data
+    buffer shared, offsets added), so that it can share a packed file with binary columns.
+    Under Parquet's delta-coded lengths the equal lengths take next to nothing."""
     if column.null_count:
         raise ValueError("fixed-size binary column has nulls")
+    n, width = len(column), column.type.byte_width
+    data = column.buffers()[1].slice(column.offset * width, n * width)
+    offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32)
+    return pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), data])
+
+
+def fixed_binary_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The bytes of a fixed-size binary column as a uint8 array [n, width] (one copy at most);
+    also of a binary column whose entries are all one length (:func:`as_binary`).
+
+    Raises:
+        ValueError: nulls, or binary entries of different lengths.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise ValueError("fixed-size binary column has nulls")
+    if pa.types.is_binary(column.type):
+        return _equal_entries(column)
+    width = column.type.byte_width
     buf = np.frombuffer(column.buffers()[1], dtype=np.uint8)
     start = column.offset * width
     return buf[start : start + len(column) * width].reshape(len(column), width)
+
+
+def _equal_entries(column: pa.BinaryArray) -> np.ndarray:
+    n = len(column)
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[
+        column.offset : column.offset + n + 1
+    ]
+    lengths = np.diff(offsets)
+    width = int(lengths[0]) if n else 0
+    if n and (lengths != width).any():
+        raise ValueError("binary column of rows of different lengths where one width is needed")
+    data = column.buffers()[2]
+    buf = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+    return buf[offsets[0] : offsets[0] + n * width].reshape(n, width)

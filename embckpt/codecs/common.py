@@ -18,6 +18,7 @@ width and amortises Huffman's per-symbol rounding over the codes a byte holds.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,13 @@ import pyarrow as pa
 import torch
 
 from embckpt.codecs import huffman
-from embckpt.codecs.base import Codec, EncodedRows, fixed_binary_column, fixed_binary_values
+from embckpt.codecs.base import (
+    Codec,
+    EncodedRows,
+    as_binary,
+    fixed_binary_column,
+    fixed_binary_values,
+)
 from embckpt.errors import CodecError, ConfigError
 
 ENTROPY_STAGES = ("none", "huffman", "zstd", "lz4")
@@ -95,6 +102,16 @@ def require_finite(x: torch.Tensor, codec_id: str) -> None:
             f"codec {codec_id!r}: row {row} of the batch holds {kind}; a lossy codec cannot "
             "encode it (use codec 'raw' to store such rows bit-exactly)"
         )
+
+
+def binary_payload(encoded: EncodedRows, below_bytes: int) -> EncodedRows:
+    """``encoded`` with a fixed-size payload under ``below_bytes`` made binary
+    (:func:`~embckpt.codecs.base.as_binary`; decoders read both): packed rows files group
+    blocks by column types, and a ``delta`` diff's payload is binary."""
+    column = encoded.columns.get(PAYLOAD)
+    if not isinstance(column, pa.FixedSizeBinaryArray) or column.nbytes >= below_bytes:
+        return encoded
+    return dataclasses.replace(encoded, columns={**encoded.columns, PAYLOAD: as_binary(column)})
 
 
 class StagedCodec(Codec):

@@ -31,6 +31,7 @@ import torch
 from embckpt import failpoints
 from embckpt.blocks import TableShard
 from embckpt.codecs import Codec, DeltaCodec, EncodedRows
+from embckpt.codecs.common import binary_payload
 from embckpt.config import CheckpointConfig
 from embckpt.policy import Decision, DiffBase, Kind
 from embckpt.save.capture import CapturedRows, CaptureEdit
@@ -314,7 +315,10 @@ class RowFileWriter:
             whole = _decoded(codec.whole, split.whole, cols, rebuild)
             if edit is not None and whole is not None:
                 edit.replace(key, rows[torch.from_numpy(split.whole_rows)], whole)
-            parts.append(_Part(codec.whole, split.whole, split.whole_rows, True, whole))
+            # Beside delta rows, a binary payload as theirs: both share the packed file (a
+            # file per link and rank for a restore to open, not two).
+            encoded = binary_payload(split.whole, self.pack_below_bytes) if parts else split.whole
+            parts.append(_Part(codec.whole, encoded, split.whole_rows, True, whole))
         return parts
 
     def _block(
