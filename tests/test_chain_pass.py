@@ -4,6 +4,7 @@ as they decode each."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -308,12 +309,16 @@ def test_changes_by_width_group_add_as_the_dense_decode() -> None:
         n = len(values)
         span = slice(5, n - 3)  # the file's rows this block holds
         local = np.sort(rng.choice(200, size=span.stop - span.start, replace=False))
-        for mask in (rng.random(span.stop - span.start) < 0.7, None):
+        masks = (rng.random(span.stop - span.start) < 0.7, None)
+        # A column segment (a strided block) and whole rows (C-ordered: the kernel's own loop).
+        for mask, (width, lo, hi) in itertools.product(masks, ((COLS + 4, 4, 10), (6, 0, 6))):
             keeps = np.ones(len(local), dtype=bool) if mask is None else mask
-            block = rng.standard_normal((200, COLS + 4)).astype(np.float32)
+            block = rng.standard_normal((200, width)).astype(np.float32)
             block[local[::4], 2:6] = -0.0
             expected = block.copy()
             kept = values[span][keeps][:, 3:9].numpy()
-            expected[local[keeps], 4:10] += kept
-            add_changes(changes, span, mask, local, block[:, 4:10], slice(3, 9))
-            assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (i, mask)
+            expected[local[keeps], lo:hi] += kept
+            out = block[:, lo:hi]
+            assert out.flags.c_contiguous == (width == hi - lo)
+            add_changes(changes, span, mask, local, out, slice(3, 9))
+            assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (i, mask, width)
