@@ -23,10 +23,10 @@ encoded), which keeps the order above and bounds the decoded rows.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,13 +160,19 @@ def _decode_grouped(
     ``device`` (the weights' block's) where its rows decode there, as in ``apply.py``, which
     decodes element-wise states on the CPU; a delta codec's as :class:`Changes` where
     ``sparse``."""
-    groups: dict[str, list[int]] = {}
+    # Compared as dicts, not serialised: a chain's files hold a few configs, and a key
+    # string per file cost more than the comparisons.
+    keys: list[tuple[dict[str, Any], int]] = []
+    groups: list[list[int]] = []
     for i, item in enumerate(loaded):
-        config = codec_of(item.file).get_config()
-        key = json.dumps([config, item.file.read.entry.shard_cols], sort_keys=True)
-        groups.setdefault(key, []).append(i)
+        key = (codec_of(item.file).get_config(), item.file.read.entry.shard_cols)
+        if key in keys:
+            groups[keys.index(key)].append(i)
+        else:
+            keys.append(key)
+            groups.append([i])
     out: list[torch.Tensor | Changes] = [torch.empty(0)] * len(loaded)
-    for members in groups.values():
+    for members in groups:
         first = loaded[members[0]].file
         codec, cols = codec_of(first), first.read.entry.shard_cols
         items = [encoded_of(loaded[i].batch) for i in members]

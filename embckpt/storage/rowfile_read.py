@@ -160,7 +160,8 @@ class CheckedFile:
         try:
             if not fetched.small():
                 with fetched.parquet() as parquet:
-                    return parquet.read_row_groups(groups, columns=columns, use_threads=False)
+                    wanted = fetched.columns if columns is None else columns
+                    return parquet.read_row_groups(groups, columns=wanted, use_threads=False)
             table = fetched.rows_of(groups)
             return table if columns is None else table.select(columns)
         except PARSE_ERRORS as exc:
