@@ -113,9 +113,10 @@ class StagedFile:
             for lo, hi, mask in keep.segments:
                 if mask is None:
                     counts = hi_at - lo_at
-                else:
-                    kept = np.concatenate([[0], np.cumsum(mask)])
-                    counts = kept[hi_at] - kept[lo_at]
+                else:  # one count per row group (a few): a running sum cost a pass per row
+                    counts = np.array(
+                        [np.count_nonzero(mask[a:b]) for a, b in zip(lo_at, hi_at, strict=True)]
+                    )
                 total += float(counts @ self.group_rate) * (hi - lo) / entry.shard_cols
         return total
 
