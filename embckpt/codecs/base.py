@@ -197,6 +197,8 @@ def as_binary(column: pa.FixedSizeBinaryArray) -> pa.BinaryArray:
     if column.null_count:
         raise ValueError("fixed-size binary column has nulls")
     n, width = len(column), column.type.byte_width
+    if n * width >= 1 << 31:
+        raise ValueError(f"{n * width} bytes do not fit a binary column's 32-bit offsets")
     data = column.buffers()[1].slice(column.offset * width, n * width)
     offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32)
     return pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), data])
@@ -222,6 +224,7 @@ def fixed_binary_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def _equal_entries(column: pa.BinaryArray) -> np.ndarray:
+    """The entries of a binary column [n, width], a view of its data: all must be one length."""
     n = len(column)
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[
         column.offset : column.offset + n + 1

@@ -11,7 +11,8 @@ numpy, 1.2 ms here. Each addition is the same float addition numpy makes (no fas
 the result is the same to the bit.
 
 The signatures are given, so that every layout a caller passes (a block's column slice, a
-read-only Arrow buffer) runs the one compiled loop instead of compiling another.
+read-only Arrow buffer) runs a loop compiled beforehand instead of compiling another (the
+addition of changes has one for whole C-ordered rows, which vectorises, and one for the rest).
 """
 
 from __future__ import annotations
