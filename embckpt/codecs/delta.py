@@ -21,7 +21,8 @@ often each width pays depends on how far rows moved: a few steps apart, most row
 or 2-bit codes; early in training, when rows grow from their small initial values, the change
 is as wide as the row. The writer therefore uses :meth:`DeltaCodec.encode_split`: a row whose
 change needs more than ``bits`` bits is written whole instead (the same bytes as a whole-row
-code, or fewer), in a second file the restore replaces rows from.
+code, or fewer), in a second block the restore replaces rows from (a sibling file, or beside
+the delta rows in their packed file).
 (benchmarks/results/policies.json records the mix per checkpoint kind.)
 
 Format (version 1): ``payload`` is a variable-size binary column, one entry per row: empty for

@@ -39,7 +39,8 @@ def rows_file(table: str, row_offset: int, col_offset: int, part: int, whole: bo
     """A saved rows file of one block, relative to the step folder.
 
     A block is named by its first global row and column; a large block is written in several
-    parts; a ``delta`` diff's rows written whole go to a sibling ``.whole`` file.
+    parts; a ``delta`` diff's rows written whole go to a sibling ``.whole`` file (in a packed
+    file, to a block of their own beside the delta rows').
     """
     suffix = ".whole" if whole else ""
     return f"tables/{table}/r{row_offset}_c{col_offset}.p{part}{suffix}.parquet"
