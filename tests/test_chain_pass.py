@@ -284,41 +284,59 @@ def test_row_kernels_equal_numpy(dtype: type) -> None:
     assert np.array_equal(gathered, data[starts[:, None] + np.arange(7)])
 
 
-def test_changes_by_width_group_add_as_the_dense_decode() -> None:
-    """A delta diff's changes added group by group (read/changes.py: picked rows, zero changes
-    without a buffer) leave the block's bytes as the dense decode added through a keep mask
-    does, -0.0 cells included (a zero change makes them +0.0 both ways)."""
+def _delta_items(rng: np.random.Generator, sizes: tuple[int, ...]) -> tuple[Codec, list]:
+    """A delta codec and batches of its changes at every width (2 to 8 bits, raw, zero)."""
     from embckpt.codecs.delta import DeltaCodec
-    from embckpt.read.changes import add_changes, decode_changes
 
-    rng = np.random.default_rng(9)
     delta = make_codec("delta", {"inner": {**INNER, "param_dtype": "float32"}})
     assert isinstance(delta, DeltaCodec)
     items = []
-    for n in (70, 45):
+    for n in sizes:
         reference = torch.from_numpy(rng.standard_normal((n, COLS)).astype(np.float32))
         scale = torch.logspace(-7, 1, n)[:, None]
         live = reference + torch.randn(n, COLS, generator=torch.Generator().manual_seed(n)) * scale
         live[::9] = 0.25  # no error budget: their change crosses raw
         items.append(delta.encode_delta(live, reference))
+    return delta, items
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_changes_added_file_by_file_equal_the_dense_decode(together: bool) -> None:
+    """A chain's delta changes added file by file, each file's width groups in one pass
+    (read/changes.py: zero changes without a buffer), leave the block's bytes as the dense
+    decode added file by file through each keep mask does, -0.0 cells included (a zero change
+    makes them +0.0 both ways). The files' rows overlap in the block, so a wrong order of a
+    row's additions changes its bits. ``together``: the files decoded as one (their values in
+    one array), else each on its own."""
+    from embckpt.read.changes import ChangeCells, add_changes, decode_changes
+
+    rng = np.random.default_rng(9)
+    delta, items = _delta_items(rng, (70, 45, 60))
     dense = delta.decode_many(items, COLS)
-    sparse = decode_changes(delta, items, COLS)
+    if together:
+        sparse = decode_changes(delta, items, COLS)
+    else:
+        sparse = [decode_changes(delta, [item], COLS)[0] for item in items]
     widths = {g.bits for g in delta.width_groups(items)[1]}
-    assert len(widths) >= 3 and any(v is None for c in sparse for _, v in c.parts)
-    for i, (changes, values) in enumerate(zip(sparse, dense, strict=True)):
-        n = len(values)
-        span = slice(5, n - 3)  # the file's rows this block holds
-        local = np.sort(rng.choice(200, size=span.stop - span.start, replace=False))
-        masks = (rng.random(span.stop - span.start) < 0.7, None)
-        # A column segment (a strided block) and whole rows (C-ordered: the kernel's own loop).
-        for mask, (width, lo, hi) in itertools.product(masks, ((COLS + 4, 4, 10), (6, 0, 6))):
+    assert len(widths) >= 3 and any((c.index < 0).any() for c in sparse)
+    for changes, values in zip(sparse, dense, strict=True):
+        picked = changes.index >= 0
+        assert np.array_equal(changes.values[changes.index[picked]], values[picked].numpy())
+        assert not values[~picked].any()
+    # A column segment (a strided block) and whole rows (C-ordered: the kernel's own loop).
+    for masked, (width, lo, hi) in itertools.product((True, False), ((COLS + 4, 4, 10), (6, 0, 6))):
+        block = rng.standard_normal((80, width)).astype(np.float32)
+        block[::3, 2:6] = -0.0
+        block[1::5] *= 1e-7  # small rows, where the order of additions shows in their bits
+        expected, cells = block.copy(), []
+        for changes, values in zip(sparse, dense, strict=True):
+            span = slice(5, len(values) - 3)  # the file's rows this block holds
+            local = np.sort(rng.choice(80, size=span.stop - span.start, replace=False))
+            mask = rng.random(len(local)) < 0.7 if masked else None
             keeps = np.ones(len(local), dtype=bool) if mask is None else mask
-            block = rng.standard_normal((200, width)).astype(np.float32)
-            block[local[::4], 2:6] = -0.0
-            expected = block.copy()
-            kept = values[span][keeps][:, 3:9].numpy()
-            expected[local[keeps], lo:hi] += kept
-            out = block[:, lo:hi]
-            assert out.flags.c_contiguous == (width == hi - lo)
-            add_changes(changes, span, mask, local, out, slice(3, 9))
-            assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (i, mask, width)
+            expected[local[keeps], lo:hi] += values[span][keeps][:, 3:9].numpy()
+            cells.append(ChangeCells(changes, span, mask, local, 3))
+        out = block[:, lo:hi]
+        assert out.flags.c_contiguous == (width == hi - lo)
+        add_changes(cells, out)
+        assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (masked, width)

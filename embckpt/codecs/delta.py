@@ -57,6 +57,7 @@ from embckpt.codecs.base import (
 )
 from embckpt.codecs.common import PAYLOAD, binary_buffers, binary_column, float_rows
 from embckpt.codecs.packing import packed_width
+from embckpt.codecs.uniform import UniformCodec
 from embckpt.errors import CodecError, ConfigError
 
 #: Widths tried for a row's change, narrowest first; ``RAW_BITS`` is the change's fp32 bytes.
@@ -236,6 +237,16 @@ class DeltaCodec(Codec):
         if group.bits == RAW_BITS:
             return group.data.view("<f4")
         return self.width_codec(group.bits).decode(group.inner(), num_cols).float().numpy()
+
+    def decode_group_into(self, group: WidthGroup, num_cols: int, out: np.ndarray) -> None:
+        """:meth:`decode_group` written into ``out`` (float32 [len(group.rows), num_cols],
+        C-contiguous): a uniform inner codec decodes straight into it, without a buffer of its
+        own to copy from."""
+        if group.bits != RAW_BITS:
+            inner = self.width_codec(group.bits)
+            if isinstance(inner, UniformCodec) and inner.decode_into(group.inner(), num_cols, out):
+                return
+        out[:] = self.decode_group(group, num_cols)
 
     def width_groups(self, items: Sequence[EncodedRows]) -> tuple[list[int], list[WidthGroup]]:
         """The rows of ``items`` (counted over all of them, in order) of each width and inner

@@ -71,11 +71,8 @@ def compile_uniform() -> None:
     delta.decode(encoded, _COLS)
     for dtype in (np.float32, np.float64):  # delta rows added into a block (read/cells.py)
         row_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
-    block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes by width group
-    no_mask = np.zeros(0, dtype=bool)
-    row_kernels.add_spanned(
-        block, rows, np.ones((3, _COLS), np.float32), 0, 0, 4, False, no_mask, rows
-    )
+    block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes, row by row
+    row_kernels.add_indexed(block, rows, np.array([0, -1]), np.ones((3, _COLS), np.float32), 0)
 
 
 def compile_kmeans_and_huffman() -> None:

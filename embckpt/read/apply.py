@@ -39,7 +39,13 @@ from embckpt.read.cells import (
     take,
 )
 from embckpt.read.chain_pass import apply_block_chain, chain_blocks
-from embckpt.read.changes import Changes, add_changes, adds_by_group, decode_changes
+from embckpt.read.changes import (
+    ChangeCells,
+    Changes,
+    add_changes,
+    adds_by_group,
+    decode_changes,
+)
 from embckpt.read.plan import Keep, plan_reads
 from embckpt.read.pool import inline_size, submit_all, worker_pool
 from embckpt.read.stage import StagedFile, default_threads, release, stage
@@ -345,7 +351,8 @@ def _write_cells(
             columns = as_numpy(shard.weight)[
                 :, col_lo - shard.col_offset : col_hi - shard.col_offset
             ]
-            add_changes(decoded.weights, overlap.in_batch, kept, local, columns, in_file)
+            change = ChangeCells(decoded.weights, overlap.in_batch, kept, local, in_file.start)
+            add_changes([change], columns)
         elif decoded.weights is not None:  # else decoded in place (_whole_run)
             values = take(decoded.weights, overlap.in_batch, kept)[:, in_file]
             put_cells(rows, values, shard.weight, staged.codec.additive)

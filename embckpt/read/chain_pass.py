@@ -37,7 +37,13 @@ from embckpt.codecs.delta import DeltaCodec
 from embckpt.codecs.device_decode import decode_many_on_device
 from embckpt.read import cells
 from embckpt.read.cells import RowStateRows, WrittenRows, as_numpy, put_cells, take
-from embckpt.read.changes import Changes, add_changes, adds_by_group, decode_changes
+from embckpt.read.changes import (
+    ChangeCells,
+    Changes,
+    add_changes,
+    adds_by_group,
+    decode_changes,
+)
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
@@ -75,15 +81,13 @@ class _Loaded:
 @dataclass
 class _Cells:
     """Decoded cells one file gives one column segment of one field (weight or state): its
-    kept rows' values, or a delta file's :class:`Changes` with where they go (``at``: the
-    file's span, its keep mask and its block-local rows)."""
+    kept rows' values, or a delta file's changes with where they go."""
 
     position: int
     additive: bool
     rows: np.ndarray  # block-local, ascending
-    values: torch.Tensor | Changes  # the kept rows (all of the file's columns), or all
+    values: torch.Tensor | ChangeCells  # the kept rows (all of the file's columns), or all
     in_file: slice  # the file's columns this segment takes
-    at: tuple[slice, np.ndarray | None, np.ndarray] | None = None
 
 
 def apply_block_chain(
@@ -230,9 +234,9 @@ def _gather(
                 continue
             codec = file.codec if name is None else file.state_codec
             position = file.read.position
-            if isinstance(values, Changes):  # added where the decoded groups lie
-                at = (span, mask, item.local)
-                found = _Cells(position, True, rows, values, in_file, at)
+            if isinstance(values, Changes):  # added where its decoded rows lie (changes.py)
+                change = ChangeCells(values, span, mask, item.local, in_file.start)
+                found = _Cells(position, True, rows, change, in_file)
             else:
                 kept = take(values, span, mask)
                 assert isinstance(kept, torch.Tensor)  # decoded rows are tensors
@@ -267,10 +271,9 @@ def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[
         for cell in found:
             if cell.additive != additive:
                 continue
-            if isinstance(cell.values, Changes):
-                assert cell.at is not None  # set with the changes (_gather)
+            if isinstance(cell.values, ChangeCells):
                 columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
-                add_changes(cell.values, *cell.at, columns, cell.in_file)
+                add_changes([cell.values], columns)
                 continue
             target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
             put_cells(target, cell.values[:, cell.in_file], dest, add=additive)

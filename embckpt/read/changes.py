@@ -1,13 +1,21 @@
-"""Restore: a ``delta`` diff's changes added into a CPU block width group by width group,
-without a dense buffer.
+"""Restore: a ``delta`` diff's changes added into a CPU block, file by file, each file's rows
+in one pass.
 
-Why: ``DeltaCodec.decode_many`` writes each file's changes into a fresh zeroed array, width-0
-rows included, which the chain pass copied again where a keep mask drops rows, then added:
-three passes over memory, the first one page faults on fresh pages. Here each width group still
-decodes once for all the files (the same decode, the same values), and the rows a block keeps
-are added from the group's values where they lie, by one kernel call per width group
-(``row_kernels.add_spanned``); width-0 rows get their zero change added (a -0.0 becomes +0.0,
-as the dense addition makes it). Each cell gets the same one float addition as before.
+Why: the changes of a file come in width groups (2, 3, 4, 8 bits, raw, zero), and adding them
+group by group read and wrote the file's rows in several passes over the block, one per
+width. Here the width groups of all the files decoded together decode once each, straight
+into one array (``DeltaCodec.decode_group_into``), and each file's rows point into it
+(:class:`Changes`), so a file's changes are added in its row order by one kernel call
+(``row_kernels.add_indexed``); a width-0 row (no change) gets its zero change added (a -0.0
+becomes +0.0, as the dense addition makes it) without a buffer. Each cell gets the same float
+additions in the same order (the chain's) as the dense decode added file by file.
+
+Measured on the 2-core machine of ``benchmarks/results/``, the 31,791 changes that the 15
+diffs of ``benchmarks/family.py``'s dim128 chain give one rank's largest table (128 columns),
+decoded and added: 6.8 ms width group by width group, 4.6 ms file by file in one pass each.
+Putting them in block-row order first, so that a row several diffs change (16,328 rows) is
+read and written once, took 5.5 ms: the sort cost more than it saved (also at 16 to 64
+columns and in 600k-row blocks).
 """
 
 from __future__ import annotations
@@ -23,71 +31,58 @@ from embckpt.codecs.delta import DeltaCodec
 
 
 def adds_by_group(weight: torch.Tensor) -> bool:
-    """Whether a delta diff's changes to ``weight`` are added group by group: a float32 block
-    on the CPU, which ``row_kernels`` adds into."""
+    """Whether a delta diff's changes to ``weight`` are added by :func:`add_changes`: a
+    float32 block on the CPU, which ``row_kernels`` adds into."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 @dataclass
 class Changes:
-    """One file's decoded changes: per width group, the positions among the file's rows
-    (ascending) and their values (float32 [k, cols]; None: a zero change)."""
+    """One file's decoded changes: for each of its rows, its change's row in ``values`` (-1:
+    a zero change); ``values`` (float32 [k, cols]) is shared by the files decoded together."""
 
-    parts: list[tuple[np.ndarray, np.ndarray | None]]
+    index: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True)
+class ChangeCells:
+    """The changes one file adds to one column segment of a block: of the file's rows
+    ``span``, those ``mask`` keeps (over ``span``; None: all), at their block-local rows
+    ``local`` (over ``span``), of the file's columns from ``col_lo`` on."""
+
+    changes: Changes
+    span: slice
+    mask: np.ndarray | None
+    local: np.ndarray
+    col_lo: int
 
 
 def decode_changes(codec: DeltaCodec, items: Sequence[EncodedRows], cols: int) -> list[Changes]:
     """The changes of each of ``items``, one decode per width group over all of them."""
     sizes, groups = codec.width_groups(items)
-    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    covered = np.zeros(int(starts[-1]), dtype=bool)
-    decoded: list[tuple[np.ndarray, np.ndarray | None]] = []
+    index = np.full(sum(sizes), -1, dtype=np.int64)
+    values = np.empty((sum(len(g.rows) for g in groups), cols), dtype=np.float32)
+    at = 0
     for group in groups:
-        covered[group.rows] = True
-        decoded.append((group.rows, codec.decode_group(group, cols)))
-    decoded.append((np.flatnonzero(~covered), None))
-    out = []
-    for first, last in zip(starts[:-1], starts[1:], strict=True):
-        parts: list[tuple[np.ndarray, np.ndarray | None]] = []
-        for rows, values in decoded:
-            a, b = np.searchsorted(rows, [first, last])
-            if b > a:
-                parts.append((rows[a:b] - first, None if values is None else values[a:b]))
-        out.append(Changes(parts))
-    return out
+        n = len(group.rows)
+        codec.decode_group_into(group, cols, values[at : at + n])
+        index[group.rows] = np.arange(at, at + n)
+        at += n
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
+    return [Changes(index[a:b], values) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
-def add_changes(
-    changes: Changes,
-    span: slice,
-    mask: np.ndarray | None,
-    local: np.ndarray,
-    out: np.ndarray,
-    in_file: slice,
-) -> None:
-    """Adds into ``out`` (a float32 block's columns) the changes of the file's rows
-    ``span`` that ``mask`` (over ``span``; None: all) keeps, at their block-local rows
-    ``local`` (over ``span``), of the file's columns ``in_file``."""
+def add_changes(cells: Sequence[ChangeCells], out: np.ndarray) -> None:
+    """Adds into ``out`` (a float32 block's column segment) the changes of ``cells``, in the
+    order given (the chain's)."""
     # Imported here: its compiled signatures load with the module (numba's start-up, a third
     # of a second in a process that has decoded nothing yet).
     from embckpt.codecs import row_kernels
 
-    masked = mask is not None
-    keep = mask if mask is not None else _NO_MASK
-    rows = np.ascontiguousarray(local, dtype=np.int64)
-    for positions, values in changes.parts:
-        row_kernels.add_spanned(
-            out,
-            positions,
-            _NO_VALUES if values is None else values,
-            in_file.start,
-            span.start,
-            span.stop,
-            masked,
-            keep,
-            rows,
-        )
-
-
-_NO_MASK = np.zeros(0, dtype=bool)
-_NO_VALUES = np.zeros((0, 0), dtype=np.float32)
+    for cell in cells:
+        index = cell.changes.index[cell.span]
+        local = np.asarray(cell.local, dtype=np.int64)
+        if cell.mask is not None:
+            index, local = index[cell.mask], local[cell.mask]
+        row_kernels.add_indexed(out, local, index, cell.changes.values, cell.col_lo)
