@@ -7,6 +7,7 @@ bit for bit, and merges without quantizing the states again (2 ranks)."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -116,6 +117,24 @@ def test_log8_decode_refuses_metadata_without_its_range() -> None:
         bad = EncodedRows(columns=encoded.columns, metadata={**encoded.metadata, **broken})
         with pytest.raises(CodecError, match="log8"):
             codec.decode(bad, 2)
+
+
+@pytest.mark.parametrize("entropy", ["none", "huffman"])
+def test_log8_decode_many_equals_each_decode(entropy: str) -> None:
+    """Batches of different ranges, signed and not, one of them in two chunks, decoded by one
+    lookup (a chain's row-wise states), give each batch's own decode bit for bit."""
+    codec = make_codec("log8", {"entropy": entropy})
+    batches = [_states((n, 1), signed=n % 2 == 1, seed=n) * 2.0**n for n in (40, 1, 33, 0, 64)]
+    items = [codec.encode(x) for x in batches]
+    split = items[0].columns["payload"]
+    items[0] = EncodedRows(
+        columns={"payload": pa.chunked_array([split[:15], split[15:]])},
+        metadata=items[0].metadata,
+    )
+    together = codec.decode_many(items, 1)
+    assert len({json.dumps(i.metadata, sort_keys=True) for i in items}) >= 4  # ranges differ
+    for item, decoded in zip(items, together, strict=True):
+        assert torch.equal(decoded.view(torch.int32), codec.decode(item, 1).view(torch.int32))
 
 
 @pytest.mark.gpu

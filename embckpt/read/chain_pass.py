@@ -47,7 +47,7 @@ from embckpt.read.changes import (
 from embckpt.read.plan import Keep
 from embckpt.read.stage import StagedFile
 from embckpt.storage.phases import PhaseClock
-from embckpt.storage.rowfile_read import BATCH_BYTES, RowBatch, row_state_values
+from embckpt.storage.rowfile_read import BATCH_BYTES, RowBatch
 
 
 def chain_blocks(diffs: Sequence[StagedFile]) -> list[list[StagedFile]]:
@@ -106,7 +106,7 @@ def apply_block_chain(
                 loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, adds_by_group(weight)
             )
             elem = _decode_elem_states(loaded)
-            row_states = [row_state_values(x.batch, x.file.state_codec) for x in loaded]
+            row_states = _decode_row_states(loaded)
             clock.add("decode", time.perf_counter() - started)
             started = time.perf_counter()
             cells: dict[tuple[int, int, str | None], list[_Cells]] = {}
@@ -205,6 +205,30 @@ def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tenso
         )
         for i, values in zip(holders, decoded, strict=True):
             out[i][name] = values
+    return out
+
+
+def _decode_row_states(loaded: Sequence[_Loaded]) -> list[dict[str, np.ndarray]]:
+    """Each file's row-wise states as values [rows]: the encoded ones of one name and state
+    codec decoded together (``Codec.decode_many``: log8's is one lookup for all the files)."""
+    out: list[dict[str, np.ndarray]] = [{} for _ in loaded]
+    groups: list[tuple[str, dict[str, Any], Codec, list[int], list[EncodedRows]]] = []
+    for i, item in enumerate(loaded):
+        codec = item.file.state_codec
+        config = codec.get_config()
+        for name, values in item.batch.row_states.items():
+            if isinstance(values, np.ndarray):  # stored as values
+                out[i][name] = values
+                continue
+            group = next((g for g in groups if g[0] == name and g[1] == config), None)
+            if group is None:
+                group = (name, config, codec, [], [])
+                groups.append(group)
+            group[3].append(i)
+            group[4].append(values)
+    for name, _, codec, members, encoded in groups:
+        for i, decoded in zip(members, codec.decode_many(encoded, 1), strict=True):
+            out[i][name] = decoded.reshape(-1).numpy()
     return out
 
 
