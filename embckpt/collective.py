@@ -105,8 +105,21 @@ class Collective:
         ``peer_error`` (a :class:`RankError`; ``SaveRankError`` during a save) quoting every
         failure. A collective that fails itself (a peer died, the group's timeout passed)
         raises ``peer_error`` too, so a caller sees one kind of error whatever went wrong.
+
+        The ranks first sum a flag (one all-reduce of one number), and gather the reasons only
+        when a rank failed: gathering them every time cost three times the all-reduce (on the
+        2-core machine of ``benchmarks/results/``, 2 gloo ranks: 0.87 ms against 0.25 ms by
+        median), and a restore agrees three times.
         """
-        self.gather_checked(None, error, what, peer_error)
+        if self.group is None:
+            self.gather_checked(None, error, what, peer_error)
+            return
+        try:
+            (failed,) = self.all_sum([0.0 if error is None else 1.0])
+        except Exception as exc:  # the group itself failed: no rank can agree any more
+            raise peer_error(f"{what}: ranks could not agree: {exc}") from error or exc
+        if failed:  # every rank sees it: they gather the reasons together
+            self.gather_checked(None, error, what, peer_error)
 
 
 @contextmanager

@@ -305,11 +305,12 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
     state["fused_scalars"] = fused_scalar_values(into.sharded, state.get("fused_scalars", {}))
     pairs = _optimizer_pairs(into, state, side.dense_path)
     loading = into.statefuls if side.rank is not None else side.statefuls
-    prior = _capture(into, state, [opt for opt, _ in pairs], list(loading), side.mch)
+    live = into.model.state_dict()  # once: a sharded model's costs a pass over every module
+    prior = _capture(into, live, state, [opt for opt, _ in pairs], list(loading), side.mch)
     error: Exception | None = None
     try:
         try:
-            _apply(into, side, state, pairs, prior.statefuls)
+            _apply(into, live, side, state, pairs, prior.statefuls)
         except Exception as exc:  # gathered below, so that every rank rolls back
             error = exc
         into.comm.check(error, "restoring the dense state, RNG and statefuls", RestoreRankError)
@@ -321,12 +322,12 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
 @torch.no_grad()
 def _apply(
     into: RestoreTarget,
+    live: dict[str, Any],
     side: SideState,
     state: dict[str, Any],
     pairs: list,
     prior_statefuls: dict[str, Any],
 ) -> None:
-    live = into.model.state_dict()
     for key, value in state["model"].items():
         live[key].copy_(value)
     for item in side.mch:
@@ -353,12 +354,12 @@ def _apply(
 
 def _capture(
     into: RestoreTarget,
+    live: dict[str, Any],
     state: dict[str, Any],
     optimizers: list[Any],
     statefuls: list[str],
     mch_loads: list[MchLoad],
 ) -> _Prior:
-    live = into.model.state_dict()
     return _Prior(
         model={k: live[k].detach().clone() for k in state["model"]},
         scalars={k: into.sharded.scalar_states[k].clone() for k in state["fused_scalars"]},
