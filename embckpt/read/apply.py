@@ -43,7 +43,7 @@ from embckpt.read.changes import (
     ChangeCells,
     Changes,
     add_changes,
-    adds_by_group,
+    adds_changes,
     decode_changes,
 )
 from embckpt.read.plan import Keep, plan_reads
@@ -273,8 +273,8 @@ class _Decoded:
         weights: torch.Tensor | np.ndarray | Changes | None = None
         written = False
         if isinstance(codec, DeltaCodec) and all(
-            adds_by_group(t.weight) for t in staged.read.targets
-        ):  # added where each width group's values lie (changes.py)
+            adds_changes(t.weight) for t in staged.read.targets
+        ):  # added where its decoded rows lie (changes.py)
             (weights,) = decode_changes(codec, [batch.encoded], cols)
         elif isinstance(into, torch.Tensor):  # a run of a block where the rows decode
             written = decode_on_device(codec, batch.encoded, cols, device, into) is not None
@@ -352,7 +352,7 @@ def _write_cells(
                 :, col_lo - shard.col_offset : col_hi - shard.col_offset
             ]
             change = ChangeCells(decoded.weights, overlap.in_batch, kept, local, in_file.start)
-            add_changes([change], columns)
+            add_changes(change, columns)
         elif decoded.weights is not None:  # else decoded in place (_whole_run)
             values = take(decoded.weights, overlap.in_batch, kept)[:, in_file]
             put_cells(rows, values, shard.weight, staged.codec.additive)

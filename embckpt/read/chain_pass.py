@@ -41,7 +41,7 @@ from embckpt.read.changes import (
     ChangeCells,
     Changes,
     add_changes,
-    adds_by_group,
+    adds_changes,
     decode_changes,
 )
 from embckpt.read.plan import Keep
@@ -103,7 +103,7 @@ def apply_block_chain(
             loaded = [_load(file) for file in chunk if _keep(file).gives()]
             weight = files[0].read.targets[0].weight
             weights = _decode_grouped(
-                loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, adds_by_group(weight)
+                loaded, lambda f: f.codec, lambda b: b.encoded, weight.device, adds_changes(weight)
             )
             elem = _decode_elem_states(loaded)
             row_states = _decode_row_states(loaded)
@@ -297,7 +297,7 @@ def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[
                 continue
             if isinstance(cell.values, ChangeCells):
                 columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
-                add_changes([cell.values], columns)
+                add_changes(cell.values, columns)
                 continue
             target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
             put_cells(target, cell.values[:, cell.in_file], dest, add=additive)

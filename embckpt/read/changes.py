@@ -30,7 +30,7 @@ from embckpt.codecs.base import EncodedRows
 from embckpt.codecs.delta import DeltaCodec
 
 
-def adds_by_group(weight: torch.Tensor) -> bool:
+def adds_changes(weight: torch.Tensor) -> bool:
     """Whether a delta diff's changes to ``weight`` are added by :func:`add_changes`: a
     float32 block on the CPU, which ``row_kernels`` adds into."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -73,16 +73,15 @@ def decode_changes(codec: DeltaCodec, items: Sequence[EncodedRows], cols: int) -
     return [Changes(index[a:b], values) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
-def add_changes(cells: Sequence[ChangeCells], out: np.ndarray) -> None:
-    """Adds into ``out`` (a float32 block's column segment) the changes of ``cells``, in the
-    order given (the chain's)."""
+def add_changes(cell: ChangeCells, out: np.ndarray) -> None:
+    """Adds into ``out`` (a float32 block's column segment) the changes ``cell`` gives it, in
+    one kernel call over the file's rows (a chain's files: one call each, in chain order)."""
     # Imported here: its compiled signatures load with the module (numba's start-up, a third
     # of a second in a process that has decoded nothing yet).
     from embckpt.codecs import row_kernels
 
-    for cell in cells:
-        index = cell.changes.index[cell.span]
-        local = np.asarray(cell.local, dtype=np.int64)
-        if cell.mask is not None:
-            index, local = index[cell.mask], local[cell.mask]
-        row_kernels.add_indexed(out, local, index, cell.changes.values, cell.col_lo)
+    index = cell.changes.index[cell.span]
+    local = np.asarray(cell.local, dtype=np.int64)
+    if cell.mask is not None:
+        index, local = index[cell.mask], local[cell.mask]
+    row_kernels.add_indexed(out, local, index, cell.changes.values, cell.col_lo)
