@@ -99,6 +99,23 @@ def dcp_save(state: dict[str, Any], path: str, threads: int) -> None:
     dcp.save(state, storage_writer=writer)
 
 
+def cold_heap() -> None:
+    """Gives the C heap's free pages back to the system before a timed restore or ``dcp.load``
+    (call it before the barrier that starts the clock), so that each starts as it would in a
+    fresh process, its buffers' pages faulted in, whatever ran before it.
+
+    Why: a restore of ours ends by trimming the heap (``embckpt/read/heap.py``), so a
+    ``dcp.load`` timed right after one faulted its buffers' pages in, while one timed after
+    another ``dcp.load`` reused them: on ``family.py``'s long_interval model (2 gloo ranks, the
+    2-core machine of ``results/``) ``dcp.load`` took 25-27 ms best repeated alone and 33-42
+    ms right after a restore of ours, 27-29 ms when that restore skipped its trim. Which side
+    went first then moved a comparison by that much.
+    """
+    from embckpt.read.heap import trim_heap
+
+    trim_heap()
+
+
 def dir_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 

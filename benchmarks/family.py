@@ -24,9 +24,11 @@ one-shot and incremental diffs knowing the future, under the default's restore b
 restored relative L2 against whole-row 4-bit codes; and the time to restore the default's
 newest checkpoint (its whole chain) against ``dcp.load`` of the same model's fp32 checkpoint
 and against the ``full`` run's final full, slowest rank, best (and median) of ``--repeats``
-interleaved rounds. The summary's write figures cover the workloads touching at most
-:data:`SPARSE` of their rows per interval. Writes ``benchmarks/results/family.json``:
-``{machine, results: [...], summary: {...}}``.
+interleaved rounds: in the training processes (``restore_vs_dcp_load``), and each load the
+first of fresh ranks, as a relaunched job restores (``restore_vs_dcp_load_fresh``,
+``fresh_restore.py``, which says why the two differ). The summary's write figures cover the
+workloads touching at most :data:`SPARSE` of their rows per interval. Writes
+``benchmarks/results/family.json``: ``{machine, results: [...], summary: {...}}``.
 
 Run: ``python benchmarks/family.py [--quick] [--only NAME]``
 """
@@ -48,6 +50,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import write_result  # noqa: E402
+from fresh_restore import DCP, fresh_restore_times  # noqa: E402
 from oracle import Pricing, best_bounded_schedule, schedule_bytes  # noqa: E402
 from policies import Schedule, measure, parents_of, policy_table, schedule_string  # noqa: E402
 
@@ -223,6 +226,8 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         measured = measure(cfg, root, configs, schedule, ("full", "default"), repeats)
+        restored = {name: (Path(root) / name, configs[name]) for name in ("full", "default")}
+        fresh = fresh_restore_times(cfg, restored, Path(root) / "dcp", repeats)
     runs, counts, rel_l2 = measured["runs"], measured["counts"], measured["rel_l2"]
     table = policy_table(runs, rel_l2)
     fp32 = runs["full"][0]["full_fp32_bytes"]
@@ -283,6 +288,10 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         "chain_links": links,
         "restore_s_per_extra_link": (best["default"] - best["full"]) / max(links - 1, 1),
         "restore_s": restore,
+        "fresh_restore_s": fresh,
+        "restore_vs_dcp_load_fresh": min(fresh["default"]) / min(fresh[DCP]),
+        "restore_vs_dcp_load_fresh_median": statistics.median(fresh["default"])
+        / statistics.median(fresh[DCP]),
         "restore_phases": measured["restore_phases"],
         "byte_budget": table["default"]["byte_budget"],
         "oracle": oracle,
@@ -299,8 +308,9 @@ def evaluate(member: Member, configs: dict[str, CheckpointConfig], repeats: int)
         f"{row['bytes_per_written_row'] or float('nan'):.1f} B/row, "
         f"rel l2 {row['restored_rel_l2']:.4f} vs {row['whole_row_rel_l2']:.4f}, restore "
         f"{best['default']:.3f} s vs dcp.load {best['dcp_load']:.3f} s "
-        f"({row['restore_vs_dcp_load']:.2f}x), full {best['full']:.3f} s, "
-        f"{row['runtime_s']:.0f} s",
+        f"({row['restore_vs_dcp_load']:.2f}x), full {best['full']:.3f} s; fresh ranks "
+        f"{min(fresh['default']):.3f} s vs {min(fresh[DCP]):.3f} s "
+        f"({row['restore_vs_dcp_load_fresh']:.2f}x), {row['runtime_s']:.0f} s",
         flush=True,
     )
     for name, run in per_run.items():
@@ -360,6 +370,10 @@ def main() -> None:
         ),
         "max_restore_vs_dcp_load": max(r["restore_vs_dcp_load"] for r in results),
         "max_restore_vs_dcp_load_median": max(r["restore_vs_dcp_load_median"] for r in results),
+        "max_restore_vs_dcp_load_fresh": max(r["restore_vs_dcp_load_fresh"] for r in results),
+        "max_restore_vs_dcp_load_fresh_median": max(
+            r["restore_vs_dcp_load_fresh_median"] for r in results
+        ),
         "max_rel_l2_vs_whole_row": max(r["rel_l2_vs_whole_row"] for r in results),
         "min_storage_reduction_x": min(r["storage_reduction_x"] for r in results),
         "max_chain_vs_full_restore": max(r["chain_vs_full_restore"] for r in results),

@@ -31,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 from byte_budget import checkpoint_budget, format_budget, merge_budgets  # noqa: E402
-from common import RESULTS, build_workload, dcp_save, dcp_state, write_result  # noqa: E402
+from common import RESULTS, build_workload, cold_heap, dcp_save, dcp_state, write_result  # noqa: E402
 from oracle import Pricing, best_schedule, one_shot_parents, schedule_bytes, union_counts  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping, load_yaml  # noqa: E402
@@ -222,6 +222,7 @@ def _restore_times(
             with Checkpointer(
                 work.model, directory, optimizer=work.optimizer, config=config
             ) as ckpt:
+                cold_heap()
                 dist.barrier()
                 started = time.perf_counter()
                 result = ckpt.load()
@@ -229,6 +230,7 @@ def _restore_times(
                 phases[name].append({"links": len(result.chain), **result.phases})
                 dist.barrier()
         if dcp_dir is not None:
+            cold_heap()
             dist.barrier()
             started = time.perf_counter()
             dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=str(dcp_dir))

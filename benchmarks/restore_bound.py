@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import build_workload, dcp_save, dcp_state, write_result  # noqa: E402
+from common import build_workload, cold_heap, dcp_save, dcp_state, write_result  # noqa: E402
 from family import FAMILY, HEADLINE, Member  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
@@ -73,11 +73,13 @@ def _worker(
         seconds["dcp_load"] = []
         for _ in range(repeats):
             for point in points:
+                cold_heap()
                 dist.barrier()
                 started = time.perf_counter()
                 ck.load(steps[point])
                 dist.barrier()
                 seconds[str(point)].append(time.perf_counter() - started)
+            cold_heap()
             dist.barrier()
             started = time.perf_counter()
             dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp")

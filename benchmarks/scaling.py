@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     PeakRss,
     build_workload,
+    cold_heap,
     dcp_save,
     dcp_state,
     dir_bytes,
@@ -165,6 +166,8 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
     phases: dict[str, dict[str, float]] = {}  # the last round's, per save
 
     def timed(name: str, operation: Callable[[], Any]) -> None:
+        if name in RESTORES:  # each from the heap a fresh process has (common.cold_heap)
+            cold_heap()
         dist.barrier()
         started = time.perf_counter()
         with PeakRss() as memory:
