@@ -38,6 +38,7 @@ def _load_once(
     cfg: DemoConfig,
     directory: str,
     config: CheckpointConfig | None,
+    step: int | None,
 ) -> float:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -54,10 +55,28 @@ def _load_once(
     with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ck:
         dist.barrier()
         started = time.perf_counter()
-        restored = ck.load()
+        restored = ck.load(step)
         dist.barrier()
         seconds = time.perf_counter() - started
     assert restored is not None, f"{directory}: nothing to restore"
+    return seconds
+
+
+Load = tuple[str, Path, CheckpointConfig | None, int | None]
+"""A load to time: its name, its directory, its config (None: ``dcp.load``), its step (None:
+the latest)."""
+
+
+def fresh_load_times(cfg: DemoConfig, loads: list[Load], repeats: int) -> dict[str, list[float]]:
+    """Per load, by name: the slowest rank's seconds of it in fresh ranks, ``repeats`` rounds."""
+    seconds: dict[str, list[float]] = {name: [] for name, *_ in loads}
+    for turn in range(repeats):
+        at = turn % len(loads)
+        for name, directory, config, step in loads[at:] + loads[:at]:
+            ranks: list[Any] = run_ranks(
+                _load_once, cfg.world_size, cfg, str(directory), config, step
+            )
+            seconds[name].append(max(ranks))
     return seconds
 
 
@@ -69,14 +88,5 @@ def fresh_restore_times(
 ) -> dict[str, list[float]]:
     """Per directory (its latest checkpoint) and for ``dcp.load`` of ``dcp_dir`` (``DCP``):
     the slowest rank's seconds of one load in fresh ranks, ``repeats`` rounds."""
-    loads: list[tuple[str, str, CheckpointConfig | None]] = [
-        (name, str(directory), config) for name, (directory, config) in directories.items()
-    ]
-    loads.append((DCP, str(dcp_dir), None))
-    seconds: dict[str, list[float]] = {name: [] for name, _, _ in loads}
-    for turn in range(repeats):
-        at = turn % len(loads)
-        for name, directory, config in loads[at:] + loads[:at]:
-            ranks: list[Any] = run_ranks(_load_once, cfg.world_size, cfg, directory, config)
-            seconds[name].append(max(ranks))
-    return seconds
+    loads: list[Load] = [(name, d, config, None) for name, (d, config) in directories.items()]
+    return fresh_load_times(cfg, [*loads, (DCP, dcp_dir, None, None)], repeats)

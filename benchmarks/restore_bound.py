@@ -6,8 +6,10 @@ checkpoint with the headline setting's codecs (adaptive 4-bit, delta diffs) unde
 ``policy: incremental`` with no forced full: one full, then ``--intervals - 1`` incremental
 diffs, ``every`` steps apart. The final state is also saved with ``dcp.save``. Then, in
 ``--repeats`` rounds, every rank restores (into the live model) the checkpoints at chain
-positions ``--points`` and runs ``dcp.load``, in turn, between barriers; a time is the slowest
-rank's, and the best round's counts.
+positions ``--points`` and runs ``dcp.load``, in turn, between barriers, each from a trimmed
+heap (``common.cold_heap``); a time is the slowest rank's, and the best round's counts. The
+same loads are then timed each as the first load of fresh ranks, ``--repeats`` rounds
+(``fresh``: the same fit, ``fresh_restore.py`` says why the two differ).
 
 Each restore reads its chain: ``s`` = its bytes over the fp32 checkpoint's (the model's rows
 and optimizer state at fp32). A least-squares line ``t = a + b s`` through the restores gives
@@ -15,7 +17,8 @@ and optimizer state at fp32). A least-squares line ``t = a + b s`` through the r
 ``dcp.load``'s time. ``summary.min_s_dcp`` over the workloads is what the default bound
 (``policy.COST_MAX_RESTORE_FP32``) may be at most. What a link costs beyond its bytes:
 ``s_per_link`` (the first point to the last, per link) less the link's bytes at the rate the
-full restored at (``s_per_link_beyond_bytes``; ``summary.max_s_per_link_beyond_bytes``).
+full restored at (``s_per_link_beyond_bytes``; ``summary.max_s_per_link_beyond_bytes``;
+in fresh ranks: ``summary.min_s_dcp_fresh``, ``summary.max_s_per_link_beyond_bytes_fresh``).
 Writes ``benchmarks/results/restore_bound.json``.
 
 Run: ``python benchmarks/restore_bound.py [--only NAME] [--repeats 3]``
@@ -37,9 +40,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import build_workload, cold_heap, dcp_save, dcp_state, write_result  # noqa: E402
 from family import FAMILY, HEADLINE, Member  # noqa: E402
+from fresh_restore import DCP, Load, fresh_load_times  # noqa: E402
 
 from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
+
+
+def _config() -> CheckpointConfig:
+    """The headline setting's codecs, every diff incremental, no forced full."""
+    options = {**HEADLINE, "policy": "incremental", "full_every": 0}
+    return from_mapping(CheckpointConfig, options, "calibration")
 
 
 def _worker(
@@ -51,9 +61,7 @@ def _worker(
     from embckpt import Checkpointer
 
     cfg = member.demo_config(world_size)
-    config = from_mapping(
-        CheckpointConfig, {**HEADLINE, "policy": "incremental", "full_every": 0}, "calibration"
-    )
+    config = _config()
     work = build_workload(rank, world_size, cfg)
     for _ in range(member.warmup):
         work.step()
@@ -85,34 +93,19 @@ def _worker(
             dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp")
             dist.barrier()
             seconds["dcp_load"].append(time.perf_counter() - started)
-    return {"seconds": seconds, "chain_bytes": chain_bytes, "fp32": fp32}
+    return {"seconds": seconds, "chain_bytes": chain_bytes, "fp32": fp32, "steps": steps}
 
 
-def calibrate(member: Member, points: list[int], repeats: int) -> dict[str, Any]:
-    """One workload's restores along its chain, ``dcp.load``, and the fitted ``s_dcp``."""
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root:
-        ranks = run_ranks(_worker, 2, member, root, points, repeats, timeout_s=3600)
-    seconds = {
-        name: np.max([r["seconds"][name] for r in ranks], axis=0).tolist()
-        for name in ranks[0]["seconds"]
-    }
-    fp32 = ranks[0]["fp32"]
-    shares = [ranks[0]["chain_bytes"][p] / fp32 for p in points]
-    best = [min(seconds[str(p)]) for p in points]
+def _fit(
+    points: list[int], shares: list[float], best: list[float], dcp_best: float, fp32: int
+) -> dict[str, Any]:
+    """The line ``t = a + b s`` through the restores, ``s_dcp``, and what a link costs."""
     slope, intercept = np.polyfit(shares, best, 1)
-    dcp_best = min(seconds["dcp_load"])
     links = points[-1] - points[0]
     per_link = (best[-1] - best[0]) / links if links else 0.0
     full_rate = best[0] / (shares[0] * fp32)  # seconds per byte, restoring the full
     link_bytes = (shares[-1] - shares[0]) * fp32 / links if links else 0.0
-    row = {
-        "workload": member.name,
-        "total_rows": sum(member.cardinalities()),
-        "dim": member.dim,
-        "full_fp32_bytes": fp32,
-        "points": points,
-        "chain_share_of_fp32": shares,
+    return {
         "restore_s_best": best,
         "dcp_load_s_best": dcp_best,
         "fit_intercept_s": float(intercept),
@@ -120,13 +113,57 @@ def calibrate(member: Member, points: list[int], repeats: int) -> dict[str, Any]
         "s_dcp": float((dcp_best - intercept) / slope) if slope > 0 else None,
         "s_per_link": per_link,
         "s_per_link_beyond_bytes": per_link - link_bytes * full_rate,
+    }
+
+
+def calibrate(member: Member, points: list[int], repeats: int) -> dict[str, Any]:
+    """One workload's restores along its chain, ``dcp.load``, and the fitted ``s_dcp``: timed
+    in the training processes, and each load as the first of fresh ranks (``fresh``)."""
+    started = time.perf_counter()
+    cfg = member.demo_config(2)
+    config = _config()
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_ranks(_worker, 2, member, root, points, repeats, timeout_s=3600)
+        steps = ranks[0]["steps"]
+        loads: list[Load] = [(str(p), Path(root, "ours"), config, steps[p]) for p in points]
+        loads.append((DCP, Path(root, "dcp"), None, None))
+        fresh_seconds = fresh_load_times(cfg, loads, repeats)
+    seconds = {
+        name: np.max([r["seconds"][name] for r in ranks], axis=0).tolist()
+        for name in ranks[0]["seconds"]
+    }
+    fp32 = ranks[0]["fp32"]
+    shares = [ranks[0]["chain_bytes"][p] / fp32 for p in points]
+    best = [min(seconds[str(p)]) for p in points]
+    row = {
+        "workload": member.name,
+        "total_rows": sum(member.cardinalities()),
+        "dim": member.dim,
+        "full_fp32_bytes": fp32,
+        "points": points,
+        "chain_share_of_fp32": shares,
+        **_fit(points, shares, best, min(seconds["dcp_load"]), fp32),
         "seconds": seconds,
+        "fresh": {
+            **_fit(
+                points,
+                shares,
+                [min(fresh_seconds[str(p)]) for p in points],
+                min(fresh_seconds[DCP]),
+                fp32,
+            ),
+            "seconds": fresh_seconds,
+        },
         "runtime_s": time.perf_counter() - started,
     }
+    fresh = row["fresh"]
     print(
         f"{member.name:>15}: chain shares {[round(s, 3) for s in shares]} restore "
-        f"{[round(t, 3) for t in best]} s, dcp.load {dcp_best:.3f} s -> s_dcp "
-        f"{row['s_dcp'] if row['s_dcp'] is None else round(row['s_dcp'], 3)}",
+        f"{[round(t, 3) for t in best]} s, dcp.load {row['dcp_load_s_best']:.3f} s -> s_dcp "
+        f"{row['s_dcp'] if row['s_dcp'] is None else round(row['s_dcp'], 3)}, per link "
+        f"{row['s_per_link'] * 1e3:.1f} ms; fresh ranks "
+        f"{[round(t, 3) for t in fresh['restore_s_best']]} s, dcp.load "
+        f"{fresh['dcp_load_s_best']:.3f} s, per link {fresh['s_per_link'] * 1e3:.1f} ms",
         flush=True,
     )
     return row
@@ -145,10 +182,14 @@ def main() -> None:
     results = [calibrate(m, points, args.repeats) for m in members if m.name in chosen]
     found = [r["s_dcp"] for r in results if r["s_dcp"] is not None]
     beyond = [r["s_per_link_beyond_bytes"] for r in results]
+    fresh_found = [r["fresh"]["s_dcp"] for r in results if r["fresh"]["s_dcp"] is not None]
+    fresh_beyond = [r["fresh"]["s_per_link_beyond_bytes"] for r in results]
     summary = {
         "min_s_dcp": min(found) if found else None,
         "s_dcp": found,
         "max_s_per_link_beyond_bytes": max(beyond) if beyond else None,
+        "min_s_dcp_fresh": min(fresh_found) if fresh_found else None,
+        "max_s_per_link_beyond_bytes_fresh": max(fresh_beyond) if fresh_beyond else None,
     }
     path = write_result(
         "restore_bound", {"args": vars(args), "results": results, "summary": summary}
