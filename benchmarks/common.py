@@ -7,6 +7,8 @@ import os
 import platform
 import statistics
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,19 @@ def cold_heap() -> None:
     from embckpt.read.heap import trim_heap
 
     trim_heap()
+
+
+def timed_load(load: Callable[[], Any]) -> float:
+    """Seconds of ``load()`` (a restore or ``dcp.load``) between barriers of the default
+    group, from a trimmed heap (:func:`cold_heap`); every rank calls it together."""
+    import torch.distributed as dist
+
+    cold_heap()
+    dist.barrier()
+    started = time.perf_counter()
+    load()
+    dist.barrier()
+    return time.perf_counter() - started
 
 
 def dir_bytes(path: str | Path) -> int:

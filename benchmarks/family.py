@@ -60,6 +60,15 @@ from embckpt.policy import COST_MAX_CHAIN, IntermittentPolicy, Policy, make_poli
 
 HEADLINE: dict[str, Any] = {"policy": "intermittent", "codec": "adaptive", "bits": 4}
 """The README's headline setting; every field it does not name is the library's default."""
+
+
+def chain_config() -> CheckpointConfig:
+    """The headline setting's codecs with every diff incremental and no forced full: one full,
+    then a chain of diffs as long as the caller saves (what restore benchmarks time)."""
+    options = {**HEADLINE, "policy": "incremental", "full_every": 0}
+    return from_mapping(CheckpointConfig, options, "chain_config")
+
+
 PREVIOUS: dict[str, Any] = {
     "policy_options": {"max_chain": COST_MAX_CHAIN},
     "optimizer_codec": "raw",

@@ -19,11 +19,10 @@ between barriers; a time is the slowest rank's.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from common import build_workload, dcp_state
+from common import build_workload, dcp_state, timed_load
 
 from embckpt.config import CheckpointConfig
 from embckpt.examples.launcher import run_ranks
@@ -40,25 +39,19 @@ def _load_once(
     config: CheckpointConfig | None,
     step: int | None,
 ) -> float:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from embckpt import Checkpointer
 
     work = build_workload(rank, world_size, cfg)
     if config is None:
-        dist.barrier()
-        started = time.perf_counter()
-        dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=directory)
-        dist.barrier()
-        return time.perf_counter() - started
+        return timed_load(
+            lambda: dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=directory)
+        )
+    restored: list[Any] = []
     with Checkpointer(work.model, directory, optimizer=work.optimizer, config=config) as ck:
-        dist.barrier()
-        started = time.perf_counter()
-        restored = ck.load(step)
-        dist.barrier()
-        seconds = time.perf_counter() - started
-    assert restored is not None, f"{directory}: nothing to restore"
+        seconds = timed_load(lambda: restored.append(ck.load(step)))
+    assert restored[0] is not None, f"{directory}: nothing to restore"
     return seconds
 
 

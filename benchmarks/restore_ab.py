@@ -35,16 +35,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import build_workload, cold_heap, dcp_save, dcp_state, write_result  # noqa: E402
-from family import FAMILY, HEADLINE, Member  # noqa: E402
+from common import build_workload, dcp_save, dcp_state, timed_load, write_result  # noqa: E402
+from family import FAMILY, Member, chain_config  # noqa: E402
 
-from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -59,11 +57,6 @@ def _member(name: str) -> Member:
     raise SystemExit(f"no family workload {name!r}: {[m.name for m in FAMILY]}")
 
 
-def _config() -> CheckpointConfig:
-    options = {**HEADLINE, "policy": "incremental", "full_every": 0}
-    return from_mapping(CheckpointConfig, options, "restore_ab")
-
-
 def _write(rank: int, world_size: int, name: str, links: int, root: str) -> int:
     from embckpt import Checkpointer
 
@@ -71,7 +64,7 @@ def _write(rank: int, world_size: int, name: str, links: int, root: str) -> int:
     work = build_workload(rank, world_size, member.demo_config(world_size))
     for _ in range(member.warmup):
         work.step()
-    ours = Checkpointer(work.model, f"{root}/ours", optimizer=work.optimizer, config=_config())
+    ours = Checkpointer(work.model, f"{root}/ours", optimizer=work.optimizer, config=chain_config())
     with ours:
         for link in range(links):
             for _ in range(member.every):
@@ -82,7 +75,6 @@ def _write(rank: int, world_size: int, name: str, links: int, root: str) -> int:
 
 
 def _restore(rank: int, world_size: int, name: str, root: str, rounds: int) -> dict[str, Any]:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import embckpt
@@ -91,21 +83,22 @@ def _restore(rank: int, world_size: int, name: str, root: str, rounds: int) -> d
     member = _member(name)
     work = build_workload(rank, world_size, member.demo_config(world_size))
     times: dict[str, list[float]] = {"chain": [], "full": [], "dcp_load": []}
-    with Checkpointer(work.model, f"{root}/ours", optimizer=work.optimizer, config=_config()) as ck:
+    with Checkpointer(
+        work.model, f"{root}/ours", optimizer=work.optimizer, config=chain_config()
+    ) as ck:
         newest = ck.load()  # warm: the first restore of a process loads what later ones reuse
         assert newest is not None, f"{root}/ours holds no checkpoint"
         full = newest.chain[0]
+        loads = {
+            "chain": ck.load,
+            "full": lambda: ck.load(full),
+            "dcp_load": lambda: dcp.load(
+                dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp"
+            ),
+        }
         for _ in range(rounds):
-            for what in ("chain", "full", "dcp_load"):
-                cold_heap()
-                dist.barrier()
-                started = time.perf_counter()
-                if what == "dcp_load":
-                    dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp")
-                else:
-                    ck.load(None if what == "chain" else full)
-                dist.barrier()
-                times[what].append(time.perf_counter() - started)
+            for what, load in loads.items():
+                times[what].append(timed_load(load))
     return {"package": str(Path(embckpt.__file__).resolve().parent), "times": times}
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import tempfile
 import time
@@ -38,30 +39,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import build_workload, cold_heap, dcp_save, dcp_state, write_result  # noqa: E402
-from family import FAMILY, HEADLINE, Member  # noqa: E402
+from common import build_workload, dcp_save, dcp_state, timed_load, write_result  # noqa: E402
+from family import FAMILY, Member, chain_config  # noqa: E402
 from fresh_restore import DCP, Load, fresh_load_times  # noqa: E402
 
-from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
-
-
-def _config() -> CheckpointConfig:
-    """The headline setting's codecs, every diff incremental, no forced full."""
-    options = {**HEADLINE, "policy": "incremental", "full_every": 0}
-    return from_mapping(CheckpointConfig, options, "calibration")
 
 
 def _worker(
     rank: int, world_size: int, member: Member, root: str, points: list[int], repeats: int
 ) -> dict[str, Any]:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from embckpt import Checkpointer
 
     cfg = member.demo_config(world_size)
-    config = _config()
+    config = chain_config()
     work = build_workload(rank, world_size, cfg)
     for _ in range(member.warmup):
         work.step()
@@ -81,18 +74,14 @@ def _worker(
         seconds["dcp_load"] = []
         for _ in range(repeats):
             for point in points:
-                cold_heap()
-                dist.barrier()
-                started = time.perf_counter()
-                ck.load(steps[point])
-                dist.barrier()
-                seconds[str(point)].append(time.perf_counter() - started)
-            cold_heap()
-            dist.barrier()
-            started = time.perf_counter()
-            dcp.load(dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp")
-            dist.barrier()
-            seconds["dcp_load"].append(time.perf_counter() - started)
+                seconds[str(point)].append(timed_load(functools.partial(ck.load, steps[point])))
+            seconds["dcp_load"].append(
+                timed_load(
+                    lambda: dcp.load(
+                        dcp_state(work.model, work.optimizer), checkpoint_id=f"{root}/dcp"
+                    )
+                )
+            )
     return {"seconds": seconds, "chain_bytes": chain_bytes, "fp32": fp32, "steps": steps}
 
 
@@ -121,7 +110,7 @@ def calibrate(member: Member, points: list[int], repeats: int) -> dict[str, Any]
     in the training processes, and each load as the first of fresh ranks (``fresh``)."""
     started = time.perf_counter()
     cfg = member.demo_config(2)
-    config = _config()
+    config = chain_config()
     with tempfile.TemporaryDirectory() as root:
         ranks = run_ranks(_worker, 2, member, root, points, repeats, timeout_s=3600)
         steps = ranks[0]["steps"]

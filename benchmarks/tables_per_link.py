@@ -20,10 +20,10 @@ Writes ``benchmarks/results/tables_per_link.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import build_workload, cold_heap, write_result  # noqa: E402
-from family import HEADLINE  # noqa: E402
+from common import build_workload, timed_load, write_result  # noqa: E402
+from family import chain_config  # noqa: E402
 
-from embckpt.config import CheckpointConfig, from_mapping  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
 from embckpt.examples.workload import DemoConfig, WorkloadConfig  # noqa: E402
 
@@ -44,7 +43,6 @@ WORLD_SIZE = 2
 def _worker(
     rank: int, world_size: int, tables: int, args: argparse.Namespace, root: str
 ) -> dict[str, list[float]]:
-    import torch.distributed as dist
 
     from embckpt import Checkpointer
 
@@ -58,8 +56,7 @@ def _worker(
         over_arch=(64, 1),
     )
     work = build_workload(rank, world_size, DemoConfig(workload=workload, world_size=world_size))
-    options = {**HEADLINE, "policy": "incremental", "full_every": 0}
-    config = from_mapping(CheckpointConfig, options, "tables_per_link")
+    config = chain_config()
     times: dict[str, list[float]] = {"chain": [], "full": []}
     with Checkpointer(work.model, root, optimizer=work.optimizer, config=config) as ck:
         steps = []
@@ -71,12 +68,7 @@ def _worker(
         ck.load()  # warm: the first restore of a process loads what later ones reuse
         for _ in range(args.rounds):
             for what, step in (("chain", steps[-1]), ("full", steps[0])):
-                cold_heap()
-                dist.barrier()
-                started = time.perf_counter()
-                ck.load(step)
-                dist.barrier()
-                times[what].append(time.perf_counter() - started)
+                times[what].append(timed_load(functools.partial(ck.load, step)))
     return times
 
 
