@@ -21,7 +21,7 @@ from codec_roundtrip import encoded_bytes_per_row, round_trip
 
 from embckpt.codecs import codec_from_config, make_codec
 from embckpt.codecs.base import EncodedRows
-from embckpt.codecs.log8 import max_relative_error
+from embckpt.codecs.log8 import decode_tables, max_relative_error
 from embckpt.errors import CodecError, ConfigError
 from embckpt.storage.rowfile_read import decode_file, row_state_values
 from embckpt.storage.rowfile_write import encode_file, row_state_columns
@@ -135,6 +135,28 @@ def test_log8_decode_many_equals_each_decode(entropy: str) -> None:
     assert len({json.dumps(i.metadata, sort_keys=True) for i in items}) >= 4  # ranges differ
     for item, decoded in zip(items, together, strict=True):
         assert torch.equal(decoded.view(torch.int32), codec.decode(item, 1).view(torch.int32))
+
+
+def test_log8_tables_built_together_are_each_linspace_grid() -> None:
+    """The code tables of many batches, built in one pass, are each batch's grid as
+    ``np.linspace`` gives it, bit for bit: signed and not, zero and tiny ranges."""
+    rng = np.random.default_rng(3)
+    metas = [{"signed": False, "log2_min": 0.0, "log2_max": 0.0}]
+    metas.append({"signed": True, "log2_min": -3.5, "log2_max": -3.5})
+    metas.append({"signed": False, "log2_min": -7.0, "log2_max": -7.0 + 1e-300})
+    for _ in range(300):
+        lo = float(rng.uniform(-80, 20))
+        metas.append(
+            {"signed": bool(rng.integers(2)), "log2_min": lo, "log2_max": lo + 40 * rng.random()}
+        )
+    tables = decode_tables(metas)
+    for meta, table in zip(metas, tables, strict=True):
+        levels = 127 if meta["signed"] else 255
+        grid = np.exp2(np.linspace(meta["log2_min"], meta["log2_max"], levels))
+        magnitudes = np.concatenate([[0.0], grid])
+        if meta["signed"]:
+            magnitudes = np.concatenate([magnitudes, -magnitudes])
+        assert np.array_equal(table.view(np.int32), magnitudes.astype(np.float32).view(np.int32))
 
 
 @pytest.mark.gpu

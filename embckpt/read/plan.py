@@ -258,16 +258,13 @@ class Coverage:
             keeps.append(Keep(int(first), int(last), tuple(segments), states))
         return keeps
 
-    def give(self, read: FileRead, rows: np.ndarray, additive: bool) -> None:
+    def give(self, read: FileRead, rows: np.ndarray, keeps: Sequence[Keep], additive: bool) -> None:
         """Records a staged file's rows as given (cells only for a file that replaces rows:
-        ``additive`` False). Files of
-        one checkpoint are recorded after all of them were kept: their row-wise states
-        average together."""
-        for shard in read.targets:
-            first, last = np.searchsorted(
-                rows, [shard.row_offset, shard.row_offset + shard.num_rows]
-            )
-            inside = rows[first:last]
+        ``additive`` False); ``keeps`` are :meth:`keep`'s for them (where each block's rows
+        lie). Files of one checkpoint are recorded after all of them were kept: their
+        row-wise states average together."""
+        for shard, keep in zip(read.targets, keeps, strict=True):
+            inside = rows[keep.first : keep.last]
             if not len(inside):
                 continue
             if not additive:

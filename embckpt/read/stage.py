@@ -105,6 +105,13 @@ class StagedFile:
         """The bytes of exactly the cells this file gives its blocks."""
         entry, total = self.read.entry, 0.0
         ends = self.group_ends
+        if len(ends) == 1:  # one row group (a diff's block): its rate times the kept rows
+            rate = float(self.group_rate[0])
+            for keep in self.keeps or ():
+                for lo, hi, mask in keep.segments:
+                    kept = keep.last - keep.first if mask is None else np.count_nonzero(mask)
+                    total += kept * rate * (hi - lo) / entry.shard_cols
+            return total
         starts = np.concatenate([[0], ends[:-1]])
         for keep in self.keeps or ():
             # Each group's rows among the keep's positions [first, last), then the kept ones.
@@ -287,7 +294,8 @@ def stage(
                             file.keeps = coverage.keep(file.read, file.rows)
                             cost.bytes_needed += file.needed_bytes()
                         for file in files if position else ():  # nothing older than the base
-                            coverage.give(file.read, file.rows, file.additive)
+                            assert file.keeps is not None  # kept just above
+                            coverage.give(file.read, file.rows, file.keeps, file.additive)
             except BaseException:  # whatever failed: what any position staged is released
                 _collect(submitted, by_position)
                 raise

@@ -8,6 +8,7 @@ read outside them is an error, never silently unchecked bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -359,42 +360,85 @@ class _Fetcher:
 
 
 def _row_batch(table: pa.Table | pa.RecordBatch, header: Mapping[str, Any]) -> RowBatch:
-    names = table.schema.names
-    codec_cols = {
-        n: table[n]
-        for n in names
-        if n not in BLOCK_COLUMNS and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
-    }
-    coded_states = _coded_states(table, STATE_PREFIX, header.get("state_meta", {}))
-    coded_columns = {
-        f"{STATE_PREFIX}{name}.{col}" for name, s in coded_states.items() for col in s.columns
-    }
+    state_meta, elem_meta = header.get("state_meta", {}), header.get("elem_meta", {})
+    layout = _layout(tuple(table.schema.names), tuple(state_meta), tuple(elem_meta))
     row_states: dict[str, np.ndarray | EncodedRows] = {
-        n[len(STATE_PREFIX) :]: table[n].to_numpy()
-        for n in names
-        if n.startswith(STATE_PREFIX) and n not in coded_columns
+        name: table[column].to_numpy() for name, column in layout.plain_states
     }
-    row_states.update(coded_states)
-    elem_states = _coded_states(table, ELEM_STATE_PREFIX, header.get("elem_meta", {}))
+    row_states.update(_coded(table, layout.coded_states, state_meta))
     return RowBatch(
         rows=table[ROW_COLUMN].to_numpy(),
-        encoded=EncodedRows(columns=codec_cols, metadata=header.get("codec_meta", {})),
+        encoded=EncodedRows(
+            columns={n: table[n] for n in layout.codec}, metadata=header.get("codec_meta", {})
+        ),
         row_states=row_states,
-        elem_states=elem_states,
+        elem_states=_coded(table, layout.elem_states, elem_meta),
         header=header,
     )
 
 
-def _coded_states(
-    table: pa.Table | pa.RecordBatch, prefix: str, metas: Mapping[str, Any]
+@dataclass(frozen=True)
+class _Layout:
+    """Which columns of a batch are the codec's, plain row-wise states (name, column) and
+    encoded states (name, ((codec column, column), ...)), for one schema and state names."""
+
+    codec: tuple[str, ...]
+    plain_states: tuple[tuple[str, str], ...]
+    coded_states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+    elem_states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(
+    names: tuple[str, ...], coded_states: tuple[str, ...], elem_states: tuple[str, ...]
+) -> _Layout:
+    """A batch's :class:`_Layout`, sorted out once per schema: a packed file's blocks and a
+    chain's files share a few schemas, and each of their batches sorted its columns by
+    prefix again."""
+
+    def coded(
+        prefix: str, states: tuple[str, ...]
+    ) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+        return tuple(
+            (
+                name,
+                tuple(
+                    (n[len(f"{prefix}{name}.") :], n)
+                    for n in names
+                    if n.startswith(f"{prefix}{name}.")
+                ),
+            )
+            for name in states
+        )
+
+    row_coded = coded(STATE_PREFIX, coded_states)
+    taken = {column for _, columns in row_coded for _, column in columns}
+    return _Layout(
+        codec=tuple(
+            n
+            for n in names
+            if n not in BLOCK_COLUMNS and not n.startswith((STATE_PREFIX, ELEM_STATE_PREFIX))
+        ),
+        plain_states=tuple(
+            (n[len(STATE_PREFIX) :], n)
+            for n in names
+            if n.startswith(STATE_PREFIX) and n not in taken
+        ),
+        coded_states=row_coded,
+        elem_states=coded(ELEM_STATE_PREFIX, elem_states),
+    )
+
+
+def _coded(
+    table: pa.Table | pa.RecordBatch,
+    states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...],
+    metas: Mapping[str, Any],
 ) -> dict[str, EncodedRows]:
-    """The encoded states of a batch (``<prefix><name>.<column>``), one per ``metas`` entry."""
-    states = {}
-    for name, state_meta in metas.items():
-        start = f"{prefix}{name}."
-        cols = {n[len(start) :]: table[n] for n in table.schema.names if n.startswith(start)}
-        states[name] = EncodedRows(columns=cols, metadata=state_meta)
-    return states
+    """The encoded states of a batch, one per ``metas`` entry (``_Layout``'s columns)."""
+    return {
+        name: EncodedRows(columns={short: table[n] for short, n in columns}, metadata=metas[name])
+        for name, columns in states
+    }
 
 
 def _runs(groups: Sequence[int]) -> list[list[int]]:
