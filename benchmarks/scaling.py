@@ -18,6 +18,11 @@ rank's, its memory the largest rank's. Times: ``<op>_s`` is the median over roun
 ``best_s`` the fastest round, ``spread_s`` the distribution; ``vs_dcp`` divides our save by
 ``dcp.save`` and our restores by ``dcp.load``, best by best and median by median.
 
+Then the last round's full, full + 5 diffs and ``dcp.load`` are timed again, each as the first
+load of a fresh pair of ranks (``--fresh-repeats`` rounds, ``fresh_restore.py``: as a relaunched
+job restores; in one process a load's time moves with the heap the load before it left):
+``fresh`` gives the best and median seconds and ``vs_dcp`` of both.
+
 Memory is the peak resident memory (``VmRSS`` of ``/proc/self/status``, sampled every 5 ms by a
 thread) above the rank's resident memory after the first training steps, before any
 checkpointing (so buffers a checkpointer keeps between saves, such as its staging arena,
@@ -36,7 +41,8 @@ cache, and are deleted after each round.
 
 Writes ``benchmarks/results/scaling.json``.
 
-Run: ``.venv/bin/python benchmarks/scaling.py [--sizes 1M,4M,16M] [--repeats 5]``
+Run: ``.venv/bin/python benchmarks/scaling.py [--sizes 1M,4M,16M] [--repeats 5]
+[--fresh-repeats 3]``
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from common import (  # noqa: E402
     spread,
     write_result,
 )
+from fresh_restore import DCP, Load, fresh_load_times  # noqa: E402
 
 from embckpt.config import CheckpointConfig  # noqa: E402
 from embckpt.examples.launcher import run_ranks  # noqa: E402
@@ -214,7 +221,8 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         for name in RESTORES[turns:] + RESTORES[:turns]:
             timed(name, restores[name])
         dist.barrier()
-        if rank == 0:  # keep the disk use of one round; the chain's base stays
+        kept = {"full": step, "chain5": chain5_steps[-1], "dcp": dcp_dir}
+        if rank == 0 and turn < repeats - 1:  # one round's files on disk; the last one stays
             full.store.remove_step(step)
             chain.store.remove_step(step)
             for at in chain5_steps:
@@ -233,6 +241,7 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
         "baseline": baseline,
         "phases": phases,
         "staging_peak": staging_peak,
+        "kept": kept,
     }
 
 
@@ -281,6 +290,7 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         alone = run_ranks(_memory_worker, WORLD, cfg, f"{root}/alone", 2, timeout_s=args.timeout)
         results = run_ranks(_worker, WORLD, cfg, root, args.repeats, timeout_s=args.timeout)
+        fresh = _fresh(cfg, Path(root), results[0]["kept"], args.fresh_repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     alone_peaks = {name: max(r["peaks"][name] for r in alone) for name in alone[0]["peaks"]}
@@ -320,6 +330,7 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         "restore_vs_dcp": spreads["ours_restore"]["median"] / spreads["dcp_load"]["median"],
         "chain5_restore_vs_dcp": spreads["ours_chain5_restore"]["median"]
         / spreads["dcp_load"]["median"],
+        "fresh": fresh,
         "save_within_budget": alone_peaks["ours_save"] <= limit,
         "interleaved_save_within_budget": all(
             peaks[n] <= limit for n in ("ours_save", "ours_diff_save")
@@ -329,6 +340,46 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         ),
     }
     return entry
+
+
+def _fresh(
+    cfg: DemoConfig, root: Path, kept: dict[str, Any], repeats: int
+) -> dict[str, Any] | None:
+    """The last round's full, full + 5 diffs and ``dcp.load`` timed again, each as the first
+    load of fresh ranks (``fresh_restore.py`` says why the times differ from the rounds');
+    None with ``repeats`` 0."""
+    if not repeats:
+        return None
+    loads: list[Load] = [
+        (
+            "ours_restore",
+            root / "full",
+            dataclasses.replace(cfg.checkpoint, policy="full"),
+            kept["full"],
+        ),
+        (
+            "ours_chain5_restore",
+            root / "chain5",
+            dataclasses.replace(cfg.checkpoint, policy="incremental", full_every=CHAIN_DIFFS + 1),
+            kept["chain5"],
+        ),
+        (DCP, Path(kept["dcp"]), None, None),
+    ]
+    seconds = fresh_load_times(cfg, loads, repeats)
+    spreads = {name: spread(values) for name, values in seconds.items()}
+    return {
+        "best_s": {name: s["min"] for name, s in spreads.items()},
+        "median_s": {name: s["median"] for name, s in spreads.items()},
+        "vs_dcp": {
+            name: {
+                "best": spreads[name]["min"] / spreads[DCP]["min"],
+                "median": spreads[name]["median"] / spreads[DCP]["median"],
+            }
+            for name in spreads
+            if name != DCP
+        },
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -341,6 +392,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per size")
+    parser.add_argument(
+        "--fresh-repeats",
+        type=int,
+        default=3,
+        help="rounds of the last round's loads timed in fresh ranks (0: none)",
+    )
     args = parser.parse_args()
     results: list[dict[str, Any]] = []
     for rows in (parse_rows(s) for s in args.sizes.split(",")):
@@ -369,6 +426,14 @@ def main() -> None:
             f"{peak['ours_save'] / 2**20:.0f} MiB, restore {peak['ours_restore'] / 2**20:.0f} "
             f"MiB, staging {entry['staging_peak_bytes'] / 2**20:.0f} MiB"
         )
+        if entry["fresh"] is not None:
+            ratios = entry["fresh"]["vs_dcp"]
+            print(
+                f"{'':>10}       fresh ranks: restore {ratios['ours_restore']['best']:.2f}x, "
+                f"full+5 {ratios['ours_chain5_restore']['best']:.2f}x dcp.load (best; median "
+                f"{ratios['ours_restore']['median']:.2f}x, "
+                f"{ratios['ours_chain5_restore']['median']:.2f}x)"
+            )
     path = write_result(
         "scaling",
         {
