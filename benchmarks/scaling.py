@@ -142,25 +142,10 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig, root: str, repeats: int
     for _ in range(WARMUP_STEPS):
         work.step()
     baseline = PeakRss.rss()
-    full = Checkpointer(
-        model,
-        f"{root}/full",
-        optimizer=optimizer,
-        config=dataclasses.replace(cfg.checkpoint, policy="full"),
-    )
-    chain = Checkpointer(
-        model,
-        f"{root}/chain",
-        optimizer=optimizer,
-        config=dataclasses.replace(cfg.checkpoint, policy="one_shot", full_every=0),
-    )
-    chain5 = Checkpointer(
-        model,
-        f"{root}/chain5",
-        optimizer=optimizer,
-        config=dataclasses.replace(
-            cfg.checkpoint, policy="incremental", full_every=CHAIN_DIFFS + 1
-        ),
+    configs = _configs(cfg)
+    full, chain, chain5 = (
+        Checkpointer(model, f"{root}/{name}", optimizer=optimizer, config=configs[name])
+        for name in ("full", "chain", "chain5")
     )
     step = WARMUP_STEPS
     base = chain.save(step).wait()  # the chain's base full, untimed
@@ -310,13 +295,7 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         "bytes": _table_bytes(rows),
         **{f"{name}_s": spreads[name]["median"] for name in SAVES + RESTORES},
         "best_s": {name: spreads[name]["min"] for name in SAVES + RESTORES},
-        "vs_dcp": {
-            name: {
-                "best": spreads[name]["min"] / spreads[dcp]["min"],
-                "median": spreads[name]["median"] / spreads[dcp]["median"],
-            }
-            for name, dcp in versus.items()
-        },
+        "vs_dcp": {name: _versus(spreads, name, dcp) for name, dcp in versus.items()},
         "peak_rss_over_baseline_bytes": alone_peaks,
         "peak_rss_bytes": peaks,
         "staging_peak_bytes": max(r["staging_peak"] for r in results),
@@ -342,6 +321,26 @@ def _measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     return entry
 
 
+def _configs(cfg: DemoConfig) -> dict[str, CheckpointConfig]:
+    """The three checkpointers' configs, by folder: fulls, one-shot diffs on one full, and a
+    full with :data:`CHAIN_DIFFS` incremental diffs."""
+    return {
+        "full": dataclasses.replace(cfg.checkpoint, policy="full"),
+        "chain": dataclasses.replace(cfg.checkpoint, policy="one_shot", full_every=0),
+        "chain5": dataclasses.replace(
+            cfg.checkpoint, policy="incremental", full_every=CHAIN_DIFFS + 1
+        ),
+    }
+
+
+def _versus(spreads: dict[str, dict[str, float]], name: str, dcp: str) -> dict[str, float]:
+    """``name``'s time over ``dcp``'s, best by best and median by median."""
+    return {
+        "best": spreads[name]["min"] / spreads[dcp]["min"],
+        "median": spreads[name]["median"] / spreads[dcp]["median"],
+    }
+
+
 def _fresh(
     cfg: DemoConfig, root: Path, kept: dict[str, Any], repeats: int
 ) -> dict[str, Any] | None:
@@ -350,19 +349,10 @@ def _fresh(
     None with ``repeats`` 0."""
     if not repeats:
         return None
+    configs = _configs(cfg)
     loads: list[Load] = [
-        (
-            "ours_restore",
-            root / "full",
-            dataclasses.replace(cfg.checkpoint, policy="full"),
-            kept["full"],
-        ),
-        (
-            "ours_chain5_restore",
-            root / "chain5",
-            dataclasses.replace(cfg.checkpoint, policy="incremental", full_every=CHAIN_DIFFS + 1),
-            kept["chain5"],
-        ),
+        ("ours_restore", root / "full", configs["full"], kept["full"]),
+        ("ours_chain5_restore", root / "chain5", configs["chain5"], kept["chain5"]),
         (DCP, Path(kept["dcp"]), None, None),
     ]
     seconds = fresh_load_times(cfg, loads, repeats)
@@ -370,14 +360,7 @@ def _fresh(
     return {
         "best_s": {name: s["min"] for name, s in spreads.items()},
         "median_s": {name: s["median"] for name, s in spreads.items()},
-        "vs_dcp": {
-            name: {
-                "best": spreads[name]["min"] / spreads[DCP]["min"],
-                "median": spreads[name]["median"] / spreads[DCP]["median"],
-            }
-            for name in spreads
-            if name != DCP
-        },
+        "vs_dcp": {name: _versus(spreads, name, DCP) for name in spreads if name != DCP},
         "seconds": seconds,
     }
 

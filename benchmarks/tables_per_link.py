@@ -43,7 +43,6 @@ WORLD_SIZE = 2
 def _worker(
     rank: int, world_size: int, tables: int, args: argparse.Namespace, root: str
 ) -> dict[str, list[float]]:
-
     from embckpt import Checkpointer
 
     workload = WorkloadConfig(

@@ -377,15 +377,19 @@ def _row_batch(table: pa.Table | pa.RecordBatch, header: Mapping[str, Any]) -> R
     )
 
 
+_Coded = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+"""Encoded states: per state name, (its codec's column name, the batch's column name)."""
+
+
 @dataclass(frozen=True)
 class _Layout:
     """Which columns of a batch are the codec's, plain row-wise states (name, column) and
-    encoded states (name, ((codec column, column), ...)), for one schema and state names."""
+    encoded states, for one schema and state names."""
 
     codec: tuple[str, ...]
     plain_states: tuple[tuple[str, str], ...]
-    coded_states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
-    elem_states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+    coded_states: _Coded
+    elem_states: _Coded
 
 
 @functools.lru_cache(maxsize=256)
@@ -396,19 +400,11 @@ def _layout(
     chain's files share a few schemas, and each of their batches sorted its columns by
     prefix again."""
 
-    def coded(
-        prefix: str, states: tuple[str, ...]
-    ) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    def coded(prefix: str, states: tuple[str, ...]) -> _Coded:
+        starts = [(name, f"{prefix}{name}.") for name in states]
         return tuple(
-            (
-                name,
-                tuple(
-                    (n[len(f"{prefix}{name}.") :], n)
-                    for n in names
-                    if n.startswith(f"{prefix}{name}.")
-                ),
-            )
-            for name in states
+            (name, tuple((n[len(start) :], n) for n in names if n.startswith(start)))
+            for name, start in starts
         )
 
     row_coded = coded(STATE_PREFIX, coded_states)
@@ -430,9 +426,7 @@ def _layout(
 
 
 def _coded(
-    table: pa.Table | pa.RecordBatch,
-    states: tuple[tuple[str, tuple[tuple[str, str], ...]], ...],
-    metas: Mapping[str, Any],
+    table: pa.Table | pa.RecordBatch, states: _Coded, metas: Mapping[str, Any]
 ) -> dict[str, EncodedRows]:
     """The encoded states of a batch, one per ``metas`` entry (``_Layout``'s columns)."""
     return {
