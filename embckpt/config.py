@@ -357,7 +357,9 @@ def codec_for(config: CheckpointConfig) -> Codec:
     ``config.codec`` names the codec; ``config.codec_options`` are its keyword options;
     ``config.bits`` and ``config.entropy`` (unless ``"auto"``) are added to them as ``bits`` and
     ``entropy``. ``entropy="auto"`` leaves the codec's own default: the stage measured best for
-    it (see each codec's signature and benchmarks/results/codecs.json). With ``diff_deltas``,
+    it (see each codec's signature and benchmarks/results/codecs.json; none for ``raw`` and
+    the uniform quantizers, ``common.UNIFORM_ENTROPY`` says why, zstd for the others and for
+    a delta diff's changes). With ``diff_deltas``,
     a quantizing codec comes wrapped in its ``delta`` codec, which writes fulls with it.
 
     Raises:

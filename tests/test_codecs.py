@@ -97,6 +97,19 @@ def test_error_ordering_on_gaussian_rows(bits: int) -> None:
     assert err["kmeans"] < err["asymmetric"], err
 
 
+def test_headline_fulls_leave_their_codes_uncompressed_and_diffs_compress_their_changes() -> None:
+    # The headline setting's codec: fulls by its whole-row codec (near incompressible codes,
+    # which a restore would otherwise decompress), diffs' changes with zstd.
+    codec = codec_for(CheckpointConfig(codec="adaptive", bits=4))
+    assert isinstance(codec, DeltaCodec)
+    rows = _rows()
+    assert "payload" not in codec.whole.encode(rows).compression
+    assert codec.encode_delta(rows + 0.01, rows).compression == {"payload": "zstd"}
+    for name in ("asymmetric", "symmetric", "adaptive"):
+        assert make_codec(name, {}).get_config()["entropy"] == "none", name
+        assert make_codec(name, {"entropy": "zstd"}).encode(rows).compression == {"payload": "zstd"}
+
+
 def test_raw_is_bit_exact_even_for_nan_and_inf() -> None:
     x = _rows(20, 6)
     x[3, 2], x[4, 0], x[5, 5] = float("nan"), float("inf"), -float("inf")

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from embckpt.codecs.base import register
-from embckpt.codecs.common import DEFAULT_ENTROPY
+from embckpt.codecs.common import UNIFORM_ENTROPY
 from embckpt.codecs.packing import packed_width
 from embckpt.codecs.uniform import AsymmetricCodec, half_params_fit, row_extremes, use_kernels
 from embckpt.errors import ConfigError
@@ -57,7 +57,8 @@ class AdaptiveCodec(AsymmetricCodec):
 
     Args:
         bits: code width: 2, 3, 4 or 8.
-        entropy: entropy stage over the fused rows (see ``common.py``).
+        entropy: entropy stage over the fused rows (see ``common.py``; default none,
+            ``UNIFORM_ENTROPY``).
         param_dtype: as for ``asymmetric``.
         n_bins: the search grid: the range moves in steps of ``(max - min) / n_bins``
             (default: per bit width, see ``DEFAULT_SEARCH``).
@@ -69,7 +70,7 @@ class AdaptiveCodec(AsymmetricCodec):
     def __init__(
         self,
         bits: int = 4,
-        entropy: str = DEFAULT_ENTROPY,
+        entropy: str = UNIFORM_ENTROPY,
         param_dtype: str = "auto",
         n_bins: int | None = None,
         ratio: float | None = None,

@@ -17,7 +17,8 @@ codecs/__pycache__.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from llvmlite import ir
 from numba import types
@@ -33,7 +34,7 @@ _I32 = ir.IntType(32)
 
 
 @intrinsic
-def prefetch_row(typingctx: Any, array: types.Array, row: types.Integer) -> Any:
+def _prefetch_row(typingctx: Any, array: types.Array, row: types.Integer) -> Any:
     """Asks the cache for the start of ``array[row]`` (2-D, any layout), to be written."""
     if not isinstance(array, types.Array) or array.ndim != 2:
         return None
@@ -50,3 +51,7 @@ def prefetch_row(typingctx: Any, array: types.Array, row: types.Integer) -> Any:
         return context.get_dummy_value()
 
     return types.void(array, row), codegen
+
+
+#: :func:`_prefetch_row` as the kernels call it: ``prefetch_row(array, row)``.
+prefetch_row = cast("Callable[[Any, int], None]", _prefetch_row)

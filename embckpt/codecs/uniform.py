@@ -37,8 +37,8 @@ import torch
 
 from embckpt.codecs.base import EncodedRows, register
 from embckpt.codecs.common import (
-    DEFAULT_ENTROPY,
     PAYLOAD,
+    UNIFORM_ENTROPY,
     StagedCodec,
     check_bits,
     float_rows,
@@ -282,7 +282,8 @@ class UniformCodec(StagedCodec):
 
     Args:
         bits: code width: 2, 3, 4 or 8.
-        entropy: entropy stage over the packed codes (see ``common.py``).
+        entropy: entropy stage over the packed codes (see ``common.py``; default none,
+            ``UNIFORM_ENTROPY``).
         param_dtype: ``auto`` (fp16 unless a row needs fp32), ``float16`` (refuse rows fp16
             cannot hold) or ``float32``.
     """
@@ -292,7 +293,7 @@ class UniformCodec(StagedCodec):
     rows_independent = True
 
     def __init__(
-        self, bits: int = 4, entropy: str = DEFAULT_ENTROPY, param_dtype: str = "auto"
+        self, bits: int = 4, entropy: str = UNIFORM_ENTROPY, param_dtype: str = "auto"
     ) -> None:
         super().__init__(entropy)
         self.bits = check_bits(self.codec_id, bits, QUANT_BITS)

@@ -315,9 +315,11 @@ class RowFileWriter:
             whole = _decoded(codec.whole, split.whole, cols, rebuild)
             if edit is not None and whole is not None:
                 edit.replace(key, rows[torch.from_numpy(split.whole_rows)], whole)
-            # Beside delta rows, a binary payload as theirs: both share the packed file (a
-            # file per link and rank for a restore to open, not two).
-            encoded = binary_payload(split.whole, self.pack_below_bytes) if parts else split.whole
+            # Beside delta rows, a binary payload compressed as theirs: both share the packed
+            # file (a file per link and rank for a restore to open, not two).
+            encoded = split.whole
+            if parts:
+                encoded = binary_payload(split.whole, self.pack_below_bytes, like=split.delta)
             parts.append(_Part(codec.whole, encoded, split.whole_rows, True, whole))
         return parts
 
