@@ -5,6 +5,7 @@ checkpoints. Every round trip goes through a real Parquet row file (codecs.testi
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -219,26 +220,46 @@ def test_kernel_fp16_rounding_matches_torch() -> None:
 
 @pytest.mark.parametrize("bits", BITS)
 def test_compiled_decode_is_the_affine_formula_bit_for_bit(bits: int) -> None:
-    """``uniform_kernels.dequantize`` (each width its own loop) gives ``scale * q + bias``
-    as numpy computes it from the unpacked codes: in float64 for fp32 parameters, float32 for
-    fp16 ones, every column count (partial bytes too) and scales from 1e-8 to 1e2."""
+    """``uniform_kernels.dequantize`` (each width its own loop, the parameters read from each
+    row's bytes) gives ``scale * q + bias`` as numpy computes it from the unpacked codes: in
+    float64 for fp32 parameters, float32 for fp16 ones (subnormal and zero scales among them),
+    with a stored bias or the symmetric grid's implied one, every column count (partial bytes
+    too) and scales from 1e-8 to 1e2."""
     from embckpt.codecs import uniform_kernels
 
     rng = np.random.default_rng(bits)
     for cols in (1, 2, 3, 5, 7, 9, 16, 17, 31, 128):
         n = 97
-        fused = rng.integers(0, 256, (n, packed_width(cols, bits)), dtype=np.uint8)
-        fused.flags.writeable = False  # as Arrow's buffers come
-        codes = unpack_codes(torch.from_numpy(fused.copy()), bits, cols).numpy()
+        packed = rng.integers(0, 256, (n, packed_width(cols, bits)), dtype=np.uint8)
+        codes = unpack_codes(torch.from_numpy(packed.copy()), bits, cols).numpy()
         scale = (rng.random(n) - 0.3) * 10.0 ** rng.integers(-8, 3, n)
         bias = (rng.random(n) - 0.5) * 10.0 ** rng.integers(-8, 3, n)
-        wide = (codes * scale[:, None] + bias[:, None]).astype(np.float32)
-        narrow = codes.astype(np.float32) * scale.astype(np.float32)[:, None]
-        narrow += bias.astype(np.float32)[:, None]
-        for is_wide, expected in ((True, wide), (False, narrow)):
+        for dtype, stored in itertools.product((np.float16, np.float32), (True, False)):
+            s, b = scale.astype(dtype), bias.astype(dtype)
+            params = [s[:, None].view(np.uint8)] + ([b[:, None].view(np.uint8)] if stored else [])
+            fused = np.concatenate([packed, *params], axis=1)
+            fused.flags.writeable = False  # as Arrow's buffers come
+            s64 = s.astype(np.float64)
+            b64 = b.astype(np.float64) if stored else -float(1 << (bits - 1)) * s64
+            if dtype == np.float32:
+                expected = (codes * s64[:, None] + b64[:, None]).astype(np.float32)
+            else:
+                expected = codes.astype(np.float32) * s64.astype(np.float32)[:, None]
+                expected += b64.astype(np.float32)[:, None]
             out = np.empty((n, cols), np.float32)
-            uniform_kernels.dequantize(fused, bits, cols, scale, bias, is_wide, out)
-            assert out.tobytes() == expected.tobytes(), (bits, cols, is_wide)
+            uniform_kernels.dequantize(fused, bits, cols, dtype == np.float16, stored, out)
+            assert out.tobytes() == expected.tobytes(), (bits, cols, dtype, stored)
+
+
+def test_kernel_fp16_values_are_numpys_for_every_bit_pattern() -> None:
+    from embckpt.codecs.fp16_bits import half_value
+
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    expected = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+    got = np.array([half_value(p) for p in patterns], dtype=np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan)
+    assert got[~nan].tobytes() == expected[~nan].tobytes()
 
 
 # -- edge-case rows -------------------------------------------------------------------------

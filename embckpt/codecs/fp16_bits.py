@@ -69,3 +69,19 @@ def half_bits(value: np.float32) -> np.uint32:
     else:
         half = _U32(bits_f32(mag) * _F32(16777216.0))
     return half | sign
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def half_value(bits: np.uint32) -> np.float32:
+    """The float32 an fp16 bit pattern (low 16 bits of ``bits``) stands for, exactly as
+    ``numpy.float16.astype(float32)``: subnormals scaled from their mantissa, infinities and
+    NaNs kept."""
+    sign = (bits & _U32(0x8000)) << _U32(16)
+    exponent = (bits >> _U32(10)) & _U32(31)
+    mantissa = bits & _U32(0x3FF)
+    if exponent == _U32(0):
+        magnitude = _F32(mantissa) * _F32(5.960464477539063e-08)  # 2**-24: exact
+        return -magnitude if sign else magnitude
+    if exponent == _U32(31):
+        return bits_f32(sign | _U32(0x7F800000) | (mantissa << _U32(13)))
+    return bits_f32(sign | ((exponent + _U32(112)) << _U32(23)) | (mantissa << _U32(13)))

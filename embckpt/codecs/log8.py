@@ -93,22 +93,28 @@ class Log8Codec(StagedCodec):
         return EncodedRows(columns={PAYLOAD: column}, metadata=meta, compression=hint)
 
     def decode(self, encoded: EncodedRows, num_cols: int) -> torch.Tensor:
-        table = decode_table(encoded.metadata)
-        codes = self._payload_bytes(encoded, num_cols)
-        return torch.from_numpy(np.take(table, codes))
+        return self.decode_many([encoded], num_cols)[0]
 
     def decode_many(self, items: Sequence[EncodedRows], num_cols: int) -> list[torch.Tensor]:
         """Decodes several batches (a block's files along a chain) by one lookup: their codes
-        joined, each byte looked up in its own batch's table. A chain's row-wise states are a
-        byte a row in each file, for which a call per file cost more than its lookup."""
-        if len(items) < 2:
-            return super().decode_many(items, num_cols)
+        joined, each byte looked up in its own batch's table (``row_kernels.lookup_codes``). A
+        chain's row-wise states are a byte a row in each file, for which a call per file cost
+        more than its lookup."""
+        # Imported here: its compiled signatures load with the module (numba's start-up).
+        from embckpt.codecs import row_kernels
+
+        if not items:
+            return []
         tables = decode_tables([item.metadata for item in items])  # [files, 256]
         codes = [self._payload_bytes(item, num_cols) for item in items]
         counts = [len(c) for c in codes]
-        starts = np.repeat(np.arange(len(items), dtype=np.intp) * tables.shape[1], counts)
-        looked_up = np.concatenate(codes).astype(np.intp) + starts[:, None]
-        values = np.take(tables.reshape(-1), looked_up)
+        bounds = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        joined = np.concatenate(codes) if len(codes) > 1 else np.ascontiguousarray(codes[0])
+        values = np.empty((int(bounds[-1]), num_cols), dtype=np.float32)
+        flat = joined.reshape(-1).view()
+        flat.flags.writeable = False  # one compiled signature for Arrow's read-only buffers
+        row_kernels.lookup_codes(tables, bounds * num_cols, flat, values.reshape(-1))
         return list(torch.split(torch.from_numpy(values), counts))
 
 

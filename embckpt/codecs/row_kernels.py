@@ -2,8 +2,9 @@
 codec's rows, a delta diff's, are applied: from a dense array, or from the decoded changes'
 rows an index picks, in the order given, and zero changes), copying rows over a block's
 scattered rows, and gathering a binary column's entries of one width (how the delta codec
-splits its rows by width before decoding them). The loops that write scattered rows of a
-block ask for the row ``prefetch.ROWS_AHEAD`` rows ahead first (``prefetch.py`` says why).
+splits its rows by width before decoding them), and byte codes looked up in their batch's
+table (how ``log8`` decodes). The loops that write scattered rows of a block ask for the row
+``prefetch.ROWS_AHEAD`` rows ahead first (``prefetch.py`` says why).
 
 Why kernels: numpy's ``out[rows] += values`` gathers the rows, adds, and scatters them back,
 three passes that each miss the cache once per row of a large block; and gathering entries
@@ -154,3 +155,28 @@ def gather_entries(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndar
         # 205 us by byte, 110 us by slice, on the 2-core machine of benchmarks/results/).
         out[i, :] = data[starts[i] : starts[i] + length]
     return out
+
+
+@njit(
+    [
+        types.void(
+            types.Array(types.float32, 2, "C", readonly=True),
+            types.Array(types.int64, 1, "C", readonly=True),
+            _READ_ONLY_BYTES,
+            types.float32[::1],
+        )
+    ],
+    nogil=True,
+    cache=True,
+)
+def lookup_codes(
+    tables: np.ndarray, bounds: np.ndarray, codes: np.ndarray, out: np.ndarray
+) -> None:
+    """``out[i] = tables[f][codes[i]]`` for the codes ``bounds[f]:bounds[f + 1]`` of each
+    table ``f``. numpy's ``take`` first converts every byte code into a 64-bit index: 5M
+    codes took it 9-11 ms (146 ms where that index's pages were new, as after a restore's heap
+    trim), 2.5 ms here, on the 2-core machine of ``benchmarks/results/``."""
+    for f in range(tables.shape[0]):
+        table = tables[f]
+        for i in range(bounds[f], bounds[f + 1]):
+            out[i] = table[codes[i]]

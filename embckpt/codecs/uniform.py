@@ -220,24 +220,25 @@ def dequantize_fused(
     bits: int,
     cols: int,
     dtype: type,
-    bias: np.ndarray | None = None,
+    implied_bias: bool = False,
     out: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Decodes fused rows [n, w + p] (codes, ``scale``, then ``bias``, both of ``dtype``); with
-    ``bias`` given (one per row), the rows hold no bias of their own. ``out`` (float32
-    [n, cols], C-contiguous; only while ``COMPILED``) receives the rows: a restore decodes
-    into the model's own rows instead of copying them there.
+    ``implied_bias``, the rows hold their scale alone and the bias is the symmetric grid's
+    ``-2**(bits-1) * scale`` (exact in the parameters' own dtype). ``out`` (float32 [n, cols],
+    C-contiguous; only while ``COMPILED``) receives the rows: a restore decodes into the
+    model's own rows instead of copying them there.
 
-    The compiled kernel decodes when on; otherwise fp16 parameters on FBGEMM-sized rows decode
-    through FBGEMM, the rest through torch. Both in float64 for fp32 parameters, so that huge
-    rows do not overflow before the final rounding.
+    The compiled kernel decodes when on, reading each row's parameters from its bytes;
+    otherwise fp16 parameters on FBGEMM-sized rows decode through FBGEMM, the rest through
+    torch. Both in float64 for fp32 parameters, so that huge rows do not overflow before the
+    final rounding.
     """
     n = fused.shape[0]
     width = packed_width(cols, bits)
     itemsize = np.dtype(dtype).itemsize
-    params = np.ascontiguousarray(fused[:, width:]).view(dtype).astype(np.float64)
-    if bias is None:
-        bias = params[:, 1]
+    if fused.shape[1] != width + itemsize * (1 if implied_bias else 2):
+        raise CodecError(f"fused rows of {fused.shape[1]} bytes for {cols} {bits}-bit codes")
     if COMPILED:
         from embckpt.codecs import uniform_kernels
 
@@ -247,19 +248,13 @@ def dequantize_fused(
             raise CodecError(f"{n} rows of {cols} decode into an array of {out.shape}")
         packed = np.ascontiguousarray(fused).view()
         packed.flags.writeable = False  # one compiled signature for Arrow's read-only buffers
-        uniform_kernels.dequantize(
-            packed,
-            bits,
-            cols,
-            np.ascontiguousarray(params[:, 0]),
-            np.ascontiguousarray(bias, dtype=np.float64),
-            dtype == np.float32,
-            out,
-        )
+        uniform_kernels.dequantize(packed, bits, cols, dtype == np.float16, not implied_bias, out)
         return torch.from_numpy(out)
-    if params.shape[1] == 1:
+    params = np.ascontiguousarray(fused[:, width:]).view(dtype).astype(np.float64)
+    if implied_bias:
+        bias = -np.float64(1 << (bits - 1)) * params[:, 0]
         bias16 = bias.astype(dtype).reshape(n, 1).view(np.uint8)
-        fused = np.concatenate([fused[:, : width + itemsize], bias16], axis=1)
+        fused = np.concatenate([fused, bias16], axis=1)
         params = np.concatenate([params, bias.reshape(n, 1)], axis=1)
     if (
         dtype == np.float16
@@ -396,13 +391,11 @@ class UniformCodec(StagedCodec):
             raise CodecError(f"unknown param_dtype {encoded.metadata.get('param_dtype')!r}")
         width = packed_width(num_cols, self.bits)
         fused = self._payload_bytes(encoded, width + self._param_bytes(dtype == np.float16))
-        if self.bias_stored:
-            return dequantize_fused(fused, self.bits, num_cols, dtype, out=out)
-        scale = np.ascontiguousarray(fused[:, width:]).view(dtype)[:, 0]
         # The symmetric grid's offset is a power-of-two multiple of its scale: exact in the
         # parameters' own dtype, so the fused decode (FBGEMM's) applies unchanged.
-        bias = -np.float64(1 << (self.bits - 1)) * scale.astype(np.float64)
-        return dequantize_fused(fused, self.bits, num_cols, dtype, bias=bias, out=out)
+        return dequantize_fused(
+            fused, self.bits, num_cols, dtype, implied_bias=not self.bias_stored, out=out
+        )
 
 
 def _join(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
