@@ -115,15 +115,15 @@ def put_cells(
 
 
 def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:
-    """``out[rows] = src``: one contiguous copy for a run of rows; scattered float32 rows by
-    a kernel that keeps several rows' cache misses in flight (``row_kernels.copy_rows``)."""
+    """``out[rows] = src``: one contiguous copy for a run of rows.
+
+    Scattered rows stay numpy's: a compiled copy that keeps several rows' cache misses in
+    flight (as ``row_kernels.add_indexed`` does) copied them 1.3-3x faster, but loading numba
+    and its kernels in a relaunched rank, which a lossless restore otherwise never does, cost
+    that restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
     if run:
         first = int(rows[0])
         np.copyto(out[first : first + len(rows)], src)
-    elif out.dtype == src.dtype == np.float32 and src.shape == (len(rows), out.shape[1]):
-        from embckpt.codecs import row_kernels  # imported here: see put_cells
-
-        row_kernels.copy_rows(out, rows.numpy(), src)
     else:
         out[rows.numpy()] = src
 
