@@ -281,6 +281,17 @@ def test_row_kernels_equal_numpy(dtype: type) -> None:
     expected[rows] += whole
     row_kernels.add_rows(block, rows, whole)  # whole rows: the C-ordered signature
     assert np.array_equal(block.view(np.uint8), expected.view(np.uint8))
+    if dtype != np.float32:
+        return
+    # Rows replaced (more rows than the kernels prefetch ahead), whole and a column segment,
+    # from read-only values as Arrow's buffers are.
+    whole.flags.writeable = False
+    expected[rows] = whole
+    row_kernels.copy_rows(block, rows, whole)
+    assert np.array_equal(block.view(np.uint8), expected.view(np.uint8))
+    expected[rows[::2], 3:8] = values[::2]
+    row_kernels.copy_rows(block[:, 3:8], rows[::2], values[::2])
+    assert np.array_equal(block.view(np.uint8), expected.view(np.uint8))
 
     data = np.frombuffer(rng.integers(0, 256, size=300, dtype=np.uint8).tobytes(), np.uint8)
     starts = rng.integers(0, 290, size=9).astype(np.int64)  # a read-only buffer, as Arrow's

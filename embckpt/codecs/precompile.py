@@ -73,6 +73,7 @@ def compile_uniform() -> None:
         row_kernels.add_rows(np.zeros((4, _COLS), dtype), np.arange(2), np.ones((2, _COLS), dtype))
     block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes, row by row
     row_kernels.add_indexed(block, rows, np.array([0, -1]), np.ones((3, _COLS), np.float32), 0)
+    row_kernels.copy_rows(block, rows, np.ones((2, _COLS), np.float32))  # rows replaced
 
 
 def compile_kmeans_and_huffman() -> None:

@@ -1,9 +1,9 @@
 """Compiled loops that move whole rows: adding decoded rows into a block (how an additive
 codec's rows, a delta diff's, are applied: from a dense array, or from the decoded changes'
-rows an index picks, in the order given, and zero changes) and gathering a binary column's
-entries of one width (how the delta codec splits its rows by width before decoding them).
-The loops that add into scattered rows of a block ask for the row ``prefetch.ROWS_AHEAD``
-rows ahead first (``prefetch.py`` says why).
+rows an index picks, in the order given, and zero changes), copying rows over a block's
+scattered rows, and gathering a binary column's entries of one width (how the delta codec
+splits its rows by width before decoding them). The loops that write scattered rows of a
+block ask for the row ``prefetch.ROWS_AHEAD`` rows ahead first (``prefetch.py`` says why).
 
 Why kernels: numpy's ``out[rows] += values`` gathers the rows, adds, and scatters them back,
 three passes that each miss the cache once per row of a large block; and gathering entries
@@ -109,6 +109,36 @@ def add_indexed(
             change = values[i, col_lo : col_lo + width]
             for j in range(width):
                 row[j] += change[j]
+
+
+def _copied(out: types.Array, values: types.Array) -> Signature:
+    """``copy_rows``'s signature for a layout of its block and values."""
+    return types.void(out, _read_only(types.int64, 1), values)
+
+
+@njit(
+    [
+        # Whole rows of a block and C-ordered values (the usual case) vectorise; strided
+        # ones (a column segment) take the second.
+        _copied(types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True)),
+        _copied(types.float32[:, :], _read_only(types.float32, 2)),
+    ],
+    nogil=True,
+    cache=True,
+    error_model="numpy",
+)
+def copy_rows(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """``out[rows[i]] = values[i]`` for each i: numpy's ``out[rows] = values`` without its
+    wait for each scattered row."""
+    width = out.shape[1]
+    n = rows.shape[0]
+    for i in range(n):
+        if i + ROWS_AHEAD < n:
+            prefetch_row(out, rows[i + ROWS_AHEAD])
+        row = out[rows[i]]
+        src = values[i]
+        for j in range(width):
+            row[j] = src[j]
 
 
 @njit(

@@ -7,6 +7,7 @@ restore's worker threads oversubscribe the rank's cores (a scatter measured 15x 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,15 +116,21 @@ def put_cells(
 
 
 def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:
-    """``out[rows] = src``: one contiguous copy for a run of rows.
-
-    Scattered rows stay numpy's: a compiled copy that keeps several rows' cache misses in
-    flight (as ``row_kernels.add_indexed`` does) copied them 1.3-3x faster, but loading numba
-    and its kernels in a relaunched rank, which a lossless restore otherwise never does, cost
-    that restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
+    """``out[rows] = src``: one contiguous copy for a run of rows; scattered float32 rows by
+    ``row_kernels.copy_rows`` (1.3-3x numpy's speed: it keeps several rows' cache misses in
+    flight) where this process has loaded that module already (a restore of delta diffs
+    does), by numpy otherwise: loading numba and its kernels for this copy alone cost a
+    relaunched rank's lossless restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
+    kernels = sys.modules.get("embckpt.codecs.row_kernels")
     if run:
         first = int(rows[0])
         np.copyto(out[first : first + len(rows)], src)
+    elif (
+        kernels is not None
+        and out.dtype == src.dtype == np.float32
+        and src.shape == (len(rows), out.shape[1])
+    ):
+        kernels.copy_rows(out, rows.numpy(), src)
     else:
         out[rows.numpy()] = src
 
