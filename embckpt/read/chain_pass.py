@@ -210,7 +210,7 @@ def _decode_elem_states(loaded: Sequence[_Loaded]) -> list[dict[str, torch.Tenso
 
 def _decode_row_states(loaded: Sequence[_Loaded]) -> list[dict[str, np.ndarray]]:
     """Each file's row-wise states as values [rows]: the encoded ones of one name and state
-    codec decoded together (``Codec.decode_many``: log8's is one lookup for all the files)."""
+    codec decoded together (``Codec.decode_many``: log8's into one array for all the files)."""
     out: list[dict[str, np.ndarray]] = [{} for _ in loaded]
     groups: list[tuple[str, dict[str, Any], Codec, list[int], list[EncodedRows]]] = []
     for i, item in enumerate(loaded):
