@@ -5,6 +5,8 @@ as they decode each."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +42,12 @@ def _file(store, step, name, rows, encoded, states, codec) -> FileEntry:
 
 
 def _write_chain(
-    root: Path, links: int, seed: int, full_codec: Codec | None = None
+    root: Path, links: int, seed: int, full_codec: Codec | None = None, lossless: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """A full (``full_codec``, raw by default) then ``links`` diffs, each a delta file (added)
     and a whole-row file (replaced) of random rows that repeat along the chain, as the
-    writer's split writes them; returns the weights and row-wise states replaying the chain
-    in order gives."""
+    writer's split writes them (``lossless``: one raw file of replaced rows); returns the
+    weights and row-wise states replaying the chain in order gives."""
     from embckpt import dense
 
     rng = np.random.default_rng(seed)
@@ -69,6 +71,13 @@ def _write_chain(
             files.append(_file(store, step, "full", rows, encoded, s, base))
             weights[:] = base.decode(encoded, COLS).numpy()
             states[:] = s
+        elif lossless:
+            picked = np.union1d(hot, rng.choice(ROWS, 60, replace=False))
+            values = torch.randn(len(picked), COLS)
+            s = rng.random(len(picked)).astype(np.float32)
+            files.append(_file(store, step, "rows", picked, raw.encode(values), s, raw))
+            weights[picked] = values.numpy()
+            states[picked] = s
         else:
             picked = np.union1d(hot, rng.choice(ROWS, 60, replace=False))
             added, replaced = picked[: len(picked) * 2 // 3], picked[len(picked) * 2 // 3 :]
@@ -96,7 +105,7 @@ def _write_chain(
             base_step=1,
             parent_step=parent,
             world_size=1,
-            codec=raw.get_config() if parent is None else delta.get_config(),
+            codec=raw.get_config() if parent is None or lossless else delta.get_config(),
             tables=(table,),
             files=tuple(sorted(files, key=lambda f: f.path)),
         )
@@ -263,6 +272,43 @@ def test_a_damaged_diff_fails_naming_it_and_every_staged_file_is_released(
     with pytest.raises(CheckpointCorruptError, match="delta.parquet"):
         read_into(store, read_chain(store, None), [_shard()], threads=3)
     assert balance["use"] > 0 and balance["use"] == balance["release"], balance
+
+
+def test_a_lossless_chain_restores_without_loading_a_compiled_kernel(tmp_path: Path) -> None:
+    """A lossless restore loads no numba kernel: a relaunched rank's first kernel load cost it
+    0.4-0.5 s (``benchmarks/recovery.py``), so scattered rows are copied by numpy there."""
+    weights, states = _write_chain(tmp_path / "ckpt", links=3, seed=4, lossless=True)
+    code = (
+        "import sys\n"
+        "import numpy as np, torch\n"
+        "from embckpt.blocks import TableShard\n"
+        "from embckpt.read.apply import read_into\n"
+        "from embckpt.storage.chain import read_chain\n"
+        "from embckpt.storage.fs import CheckpointStore\n"
+        f"rows, cols = {ROWS}, {COLS}\n"
+        "shard = TableShard('t', 't.weight', 'row_wise', 0, 0, rows, cols,\n"
+        "    torch.full((rows, cols), 7.0),\n"
+        f"    row_states={{'{STATE}': torch.full((rows,), 3.0)}})\n"
+        "store = CheckpointStore(sys.argv[1])\n"
+        "read_into(store, read_chain(store, None), [shard], threads=1)\n"
+        "np.save(sys.argv[2], shard.weight.numpy())\n"
+        f"np.save(sys.argv[3], shard.row_states['{STATE}'].numpy())\n"
+        # A kernel module may be imported (its dispatchers are cheap); none may have loaded
+        # a compiled kernel.
+        "kernels = [sys.modules[m] for m in list(sys.modules) if m.endswith('_kernels')]\n"
+        "print(sorted(n for k in kernels for n, f in vars(k).items()\n"
+        "    if getattr(f, 'overloads', None)))\n"
+    )
+    out_w, out_s = tmp_path / "w.npy", tmp_path / "s.npy"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ckpt"), str(out_w), str(out_s)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    assert np.array_equal(np.load(out_w), weights)
+    assert np.array_equal(np.load(out_s), states)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
