@@ -19,6 +19,8 @@ addition of changes has one for whole C-ordered rows, which vectorises, and one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit, types
 from numba.core.typing.templates import Signature
@@ -69,13 +71,23 @@ def _indexed(out: types.Array, values: types.Array) -> Signature:
     )
 
 
+def _copied(out: types.Array, values: types.Array) -> Signature:
+    """``copy_rows``'s signature for a layout of its block and values."""
+    return types.void(out, _read_only(types.int64, 1), values)
+
+
+def _layouts(signature: Callable[[types.Array, types.Array], Signature]) -> list[Signature]:
+    """A kernel's signatures for whole rows of a block and C-ordered values (the usual case,
+    which vectorises: adding 30,000 rows of 128 columns took 2.5 ms this way, 4.8 ms
+    strided), then for strided ones (a column segment)."""
+    return [
+        signature(types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True)),
+        signature(types.float32[:, :], _read_only(types.float32, 2)),
+    ]
+
+
 @njit(
-    [
-        # Whole rows of a block and C-ordered values (the usual case): about twice as fast
-        # as through the strided signature below (30,000 rows of 128 columns: 2.5 ms, 4.8).
-        _indexed(types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True)),
-        _indexed(types.float32[:, :], _read_only(types.float32, 2)),
-    ],
+    _layouts(_indexed),
     nogil=True,
     cache=True,
     error_model="numpy",
@@ -111,18 +123,8 @@ def add_indexed(
                 row[j] += change[j]
 
 
-def _copied(out: types.Array, values: types.Array) -> Signature:
-    """``copy_rows``'s signature for a layout of its block and values."""
-    return types.void(out, _read_only(types.int64, 1), values)
-
-
 @njit(
-    [
-        # Whole rows of a block and C-ordered values (the usual case) vectorise; strided
-        # ones (a column segment) take the second.
-        _copied(types.float32[:, ::1], types.Array(types.float32, 2, "C", readonly=True)),
-        _copied(types.float32[:, :], _read_only(types.float32, 2)),
-    ],
+    _layouts(_copied),
     nogil=True,
     cache=True,
     error_model="numpy",

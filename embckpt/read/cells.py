@@ -121,15 +121,13 @@ def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) 
     flight) where this process has loaded that module already (a restore of delta diffs
     does), by numpy otherwise: loading numba and its kernels for this copy alone cost a
     relaunched rank's lossless restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
-    kernels = sys.modules.get("embckpt.codecs.row_kernels")
     if run:
         first = int(rows[0])
         np.copyto(out[first : first + len(rows)], src)
-    elif (
-        kernels is not None
-        and out.dtype == src.dtype == np.float32
-        and src.shape == (len(rows), out.shape[1])
-    ):
+        return
+    kernels = sys.modules.get("embckpt.codecs.row_kernels")
+    rows_of_out = src.shape == (len(rows), out.shape[1])  # the kernel checks no bounds
+    if kernels is not None and out.dtype == src.dtype == np.float32 and rows_of_out:
         kernels.copy_rows(out, rows.numpy(), src)
     else:
         out[rows.numpy()] = src
