@@ -387,9 +387,12 @@ def _row_states(
 
 
 def _unmasked(file: StagedFile) -> StagedFile:
-    """``file`` writing all its rows' weights (its row-wise states stay masked)."""
+    """``file`` (the chain's base) writing all its rows' weights and row-wise states: the
+    diffs overwrite theirs afterwards (row-wise states checkpoint by checkpoint, no state codec
+    is additive), and one contiguous copy beats gathering the rows they skip (on a 10M-row
+    block, masking its row-wise states cost a restore of any chain 75 ms)."""
     file.keeps = [
-        replace(k, segments=tuple((lo, hi, None) for lo, hi, _ in k.segments))
+        replace(k, segments=tuple((lo, hi, None) for lo, hi, _ in k.segments), states=None)
         for k in file.keeps or ()
     ]
     return file

@@ -115,22 +115,28 @@ def put_cells(
         target.index_copy_(0, to_device(rows, dest.device), values)
 
 
-def _copy_rows(out: np.ndarray, src: np.ndarray, rows: torch.Tensor, run: bool) -> None:
-    """``out[rows] = src``: one contiguous copy for a run of rows; scattered float32 rows by
-    ``row_kernels.copy_rows`` (1.3-3x numpy's speed: it keeps several rows' cache misses in
-    flight) where this process has loaded that module already (a restore of delta diffs
-    does), by numpy otherwise: loading numba and its kernels for this copy alone cost a
-    relaunched rank's lossless restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
+def _copy_rows(
+    out: np.ndarray, src: np.ndarray, rows: torch.Tensor | np.ndarray, run: bool | None = None
+) -> None:
+    """``out[rows] = src``: one contiguous copy for a run of rows (``run``: known to be one;
+    None: found here); scattered float32 rows by ``row_kernels.copy_rows`` (1.3-3x numpy's
+    speed: it keeps several rows' cache misses in flight) where this process has loaded that
+    module already (a restore of delta diffs does), by numpy otherwise: loading numba and its
+    kernels for this copy alone cost a relaunched rank's lossless restore 0.4-0.5 s
+    (``benchmarks/recovery.py``)."""
+    at = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+    first = int(at[0])
+    if run is None:
+        run = int(at[-1]) - first + 1 == len(at)
     if run:
-        first = int(rows[0])
-        np.copyto(out[first : first + len(rows)], src)
+        np.copyto(out[first : first + len(at)], src)
         return
     kernels = sys.modules.get("embckpt.codecs.row_kernels")
-    rows_of_out = src.shape == (len(rows), out.shape[1])  # the kernel checks no bounds
+    rows_of_out = out.ndim == 2 and src.shape == (len(at), out.shape[1])  # no bounds checked
     if kernels is not None and out.dtype == src.dtype == np.float32 and rows_of_out:
-        kernels.copy_rows(out, rows.numpy(), src)
+        kernels.copy_rows(out, at, src)
     else:
-        out[rows.numpy()] = src
+        out[at] = src
 
 
 def apply_row_states(found: Sequence[RowStateRows]) -> None:
@@ -148,9 +154,9 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
             for p in group:
                 if not len(p.local_rows):
                     continue
-                values = torch.tensor(p.values[name]).to(target.dtype)
+                values = torch.from_numpy(np.asarray(p.values[name])).to(target.dtype)
                 if target.device.type == "cpu":
-                    as_numpy(target)[p.local_rows] = as_numpy(values)
+                    _copy_rows(as_numpy(target), as_numpy(values), p.local_rows)
                 else:
                     rows = to_device(p.local_rows, target.device)
                     target.index_copy_(0, rows, to_device(values, target.device))
