@@ -128,6 +128,44 @@ def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:
     assert codec.decode_view(bf16, 4) is None  # numpy has no bfloat16: decode() copies
 
 
+def test_a_run_of_rows_is_written_and_its_states_copied_from_its_bounds_alone() -> None:
+    from embckpt.read.cells import (
+        RowRun,
+        RowStateRows,
+        WrittenRows,
+        apply_row_states,
+        block_rows,
+        listed,
+        put_cells,
+    )
+    from embckpt.sharding import TableShard
+
+    # Global ids 12-14 of a block starting at row 10: a run; 12, 14, 15 are listed.
+    assert block_rows(np.array([12, 13, 14]), 10) == RowRun(2, 3)
+    scattered = block_rows(np.array([12, 14, 15]), 10)
+    assert isinstance(scattered, np.ndarray) and scattered.tolist() == [2, 4, 5]
+    assert listed(RowRun(2, 3)).tolist() == [2, 3, 4]
+    rows = torch.randn(3, 4)
+    dest = torch.zeros(8, 4)
+    state = torch.zeros(8)
+    shard = TableShard("t", "", "row_wise", 10, 0, 18, 4, dest, row_states={"sum": state})
+    put_cells(WrittenRows(shard, RowRun(2, 3), 0, 4, False), rows.numpy(), dest, False)
+    assert torch.equal(dest[2:5], rows) and not dest[[0, 1, 5, 6, 7]].any()
+    put_cells(WrittenRows(shard, RowRun(5, 3), 0, 4, False), rows, dest, True)  # added
+    assert torch.equal(dest[5:8], rows)
+    values = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    apply_row_states([RowStateRows(shard, RowRun(1, 3), 0, 4, {"sum": values})])
+    assert state.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+    # Two files of half the columns each: their column-weighted mean, a run and a list.
+    state.zero_()
+    halves = [
+        RowStateRows(shard, RowRun(0, 2), 0, 2, {"sum": np.array([2.0, 4.0], np.float32)}),
+        RowStateRows(shard, np.array([0, 1]), 2, 4, {"sum": np.array([4.0, 8.0], np.float32)}),
+    ]
+    apply_row_states(halves)
+    assert state.tolist()[:3] == [3.0, 6.0, 0.0]
+
+
 @pytest.mark.parametrize("name", ["adaptive", "asymmetric", "symmetric"])
 def test_quantized_rows_decode_in_place_as_decode_gives_them(name: str) -> None:
     from embckpt.codecs import make_codec

@@ -31,10 +31,13 @@ from embckpt.codecs.uniform import UniformCodec
 from embckpt.cores import rank_cores
 from embckpt.read import cells
 from embckpt.read.cells import (
+    RowRun,
     RowStateRows,
     WrittenRows,
     apply_row_states,
     as_numpy,
+    block_rows,
+    listed,
     put_cells,
     take,
 )
@@ -244,7 +247,7 @@ def _apply_file(
         started = time.perf_counter()
         for shard, keep, overlap in zip(read.targets, keeps, overlaps, strict=True):
             if overlap is not None:
-                local = batch.rows[overlap.in_batch] - shard.row_offset
+                local = block_rows(batch.rows[overlap.in_batch], shard.row_offset)
                 written.extend(_write_cells(staged, decoded, shard, keep, overlap, local))
                 row_state_rows.extend(_row_states(staged, decoded, shard, keep, overlap, local))
         clock.add("apply", time.perf_counter() - started)
@@ -329,7 +332,7 @@ def _write_cells(
     shard: TableShard,
     keep: Keep,
     overlap: _Overlap,
-    local: np.ndarray,
+    local: np.ndarray | RowRun,
 ) -> list[WrittenRows]:
     """Writes (or adds) a batch's kept weights and element-wise states into one block, column
     segment by column segment; ``local`` are the overlap's block-local rows."""
@@ -341,7 +344,7 @@ def _write_cells(
             continue
         rows = WrittenRows(
             shard,
-            torch.from_numpy(local if kept is None else local[kept]),
+            local if kept is None else listed(local)[kept],
             col_lo,
             col_hi,
             staged.read.from_diff,
@@ -351,7 +354,9 @@ def _write_cells(
             columns = as_numpy(shard.weight)[
                 :, col_lo - shard.col_offset : col_hi - shard.col_offset
             ]
-            change = ChangeCells(decoded.weights, overlap.in_batch, kept, local, in_file.start)
+            change = ChangeCells(
+                decoded.weights, overlap.in_batch, kept, listed(local), in_file.start
+            )
             add_changes(change, columns)
         elif decoded.weights is not None:  # else decoded in place (_whole_run)
             values = take(decoded.weights, overlap.in_batch, kept)[:, in_file]
@@ -370,7 +375,7 @@ def _row_states(
     shard: TableShard,
     keep: Keep,
     overlap: _Overlap,
-    local: np.ndarray,
+    local: np.ndarray | RowRun,
 ) -> list[RowStateRows]:
     """A batch's kept row-wise states for one block, applied later per checkpoint."""
     kept = None if keep.states is None else keep.states[overlap.in_keep]
@@ -383,7 +388,8 @@ def _row_states(
         for name, values in decoded.row_states.items()
         if name in shard.row_states
     }
-    return [RowStateRows(shard, local[pick], col_lo, col_hi, values)]
+    rows = local if kept is None else listed(local)[kept]
+    return [RowStateRows(shard, rows, col_lo, col_hi, values)]
 
 
 def _unmasked(file: StagedFile) -> StagedFile:

@@ -20,12 +20,53 @@ from embckpt.codecs.device_decode import serves
 from embckpt.codecs.transfer import host_copy, to_device
 
 
+@dataclass(frozen=True)
+class RowRun:
+    """Block-local rows ``first`` to ``first + count - 1``, not listed one by one: a full's
+    rows come in runs, and listing them cost a 10M-row block's restore 35 ms on one thread
+    (an id per row, in new pages) and kept 80 MB until its end, for copies that need only
+    the run's bounds."""
+
+    first: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+LocalRows = torch.Tensor | np.ndarray | RowRun
+"""A block's local rows, ascending: listed, or a run."""
+
+
+def block_rows(ids: np.ndarray, offset: int) -> np.ndarray | RowRun:
+    """Global row ids ``ids`` (ascending, unique) as rows of the block starting at ``offset``:
+    a :class:`RowRun` where they are consecutive."""
+    if len(ids) and int(ids[-1]) - int(ids[0]) + 1 == len(ids):
+        return RowRun(int(ids[0]) - offset, len(ids))
+    return ids - offset
+
+
+def listed(rows: LocalRows) -> np.ndarray:
+    """``rows`` as an array of row numbers (a run's spelled out)."""
+    if isinstance(rows, RowRun):
+        return np.arange(rows.first, rows.first + rows.count, dtype=np.int64)
+    return rows.numpy() if isinstance(rows, torch.Tensor) else rows
+
+
+def _span(rows: LocalRows) -> tuple[int, int, bool]:
+    """The first row, the count, and whether ``rows`` are one run."""
+    if isinstance(rows, RowRun):
+        return rows.first, rows.count, True
+    first, count = int(rows[0]), len(rows)
+    return first, count, int(rows[-1]) - first + 1 == count
+
+
 @dataclass
 class WrittenRows:
     """Rows of one file written into one column segment of one block."""
 
     shard: TableShard
-    local_rows: torch.Tensor  # ascending, local to the block
+    local_rows: LocalRows  # ascending, local to the block
     col_lo: int  # global columns [col_lo, col_hi) written
     col_hi: int
     from_diff: bool
@@ -36,7 +77,7 @@ class RowStateRows:
     """Row-wise state values of one file for one block; applied per checkpoint."""
 
     shard: TableShard
-    local_rows: np.ndarray
+    local_rows: np.ndarray | RowRun
     col_lo: int  # the global columns [col_lo, col_hi) the file gives the block: the weight
     col_hi: int
     values: dict[str, np.ndarray]
@@ -78,18 +119,17 @@ def put_cells(
     """
     lo, hi = written.col_lo - written.shard.col_offset, written.col_hi - written.shard.col_offset
     rows = written.local_rows
-    first, count = int(rows[0]), len(rows)
+    first, count, run = _span(rows)  # a run: full checkpoints
     target = dest[:, lo:hi]
-    run = int(rows[-1]) - first + 1 == count  # a contiguous run (full checkpoints)
     cpu_copy = not add and dest.device.type == "cpu"
     if isinstance(values, np.ndarray):
         if cpu_copy and values.dtype == as_numpy(target).dtype:
-            _copy_rows(as_numpy(target), values, rows, run)
+            _copy_rows(as_numpy(target), values, rows)
             return
         values = host_copy(values, dest.device)
     values = values.to(dest.dtype)
     if cpu_copy:
-        _copy_rows(as_numpy(target), as_numpy(values), rows, run)
+        _copy_rows(as_numpy(target), as_numpy(values), rows)
         return
     if dest.device.type == "cpu" and dest.dtype in (torch.float32, torch.float64):
         out, src = as_numpy(target), as_numpy(values)  # add: the same float additions as torch's
@@ -100,7 +140,7 @@ def put_cells(
             # a third of a second in a process that has decoded nothing yet).
             from embckpt.codecs import row_kernels
 
-            row_kernels.add_rows(out, rows.numpy(), src)  # rows are unique: each added once
+            row_kernels.add_rows(out, listed(rows), src)  # rows are unique: each added once
         return
     values = to_device(values, dest.device)
     if run:
@@ -110,29 +150,24 @@ def put_cells(
         else:
             span.copy_(values)
     elif add:
-        target.index_add_(0, to_device(rows, dest.device), values)
+        target.index_add_(0, to_device(listed(rows), dest.device), values)
     else:
-        target.index_copy_(0, to_device(rows, dest.device), values)
+        target.index_copy_(0, to_device(listed(rows), dest.device), values)
 
 
-def _copy_rows(
-    out: np.ndarray, src: np.ndarray, rows: torch.Tensor | np.ndarray, run: bool | None = None
-) -> None:
-    """``out[rows] = src``: one contiguous copy for a run of rows (``run``: known to be one;
-    None: found here); scattered float32 rows by ``row_kernels.copy_rows`` (1.3-3x numpy's
-    speed: it keeps several rows' cache misses in flight) where this process has loaded that
-    module already (a restore of delta diffs does), by numpy otherwise: loading numba and its
-    kernels for this copy alone cost a relaunched rank's lossless restore 0.4-0.5 s
-    (``benchmarks/recovery.py``)."""
-    at = rows.numpy() if isinstance(rows, torch.Tensor) else rows
-    first = int(at[0])
-    if run is None:
-        run = int(at[-1]) - first + 1 == len(at)
+def _copy_rows(out: np.ndarray, src: np.ndarray, rows: LocalRows) -> None:
+    """``out[rows] = src``: one contiguous copy for a run of rows; scattered float32 rows by
+    ``row_kernels.copy_rows`` (1.3-3x numpy's speed: it keeps several rows' cache misses in
+    flight) where this process has loaded that module already (a restore of delta diffs
+    does), by numpy otherwise: loading numba and its kernels for this copy alone cost a
+    relaunched rank's lossless restore 0.4-0.5 s (``benchmarks/recovery.py``)."""
+    first, count, run = _span(rows)
     if run:
-        np.copyto(out[first : first + len(at)], src)
+        np.copyto(out[first : first + count], src)
         return
+    at = listed(rows)
     kernels = sys.modules.get("embckpt.codecs.row_kernels")
-    rows_of_out = out.ndim == 2 and src.shape == (len(at), out.shape[1])  # no bounds checked
+    rows_of_out = out.ndim == 2 and src.shape == (count, out.shape[1])  # no bounds checked
     if kernels is not None and out.dtype == src.dtype == np.float32 and rows_of_out:
         kernels.copy_rows(out, at, src)
     else:
@@ -158,7 +193,7 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
                 if target.device.type == "cpu":
                     _copy_rows(as_numpy(target), as_numpy(values), p.local_rows)
                 else:
-                    rows = to_device(p.local_rows, target.device)
+                    rows = to_device(listed(p.local_rows), target.device)
                     target.index_copy_(0, rows, to_device(values, target.device))
             continue
         # Integer weights and float64 sums: equal source values average back to themselves.
@@ -166,7 +201,7 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
         weight = torch.zeros(shard.num_rows, dtype=torch.float64)
         for p in group:
             overlap = float(p.col_hi - p.col_lo)
-            rows = torch.from_numpy(p.local_rows)
+            rows = torch.from_numpy(listed(p.local_rows))
             total.index_add_(0, rows, torch.tensor(p.values[name]).double() * overlap)
             weight.index_add_(0, rows, torch.full((len(rows),), overlap, dtype=torch.float64))
         held = torch.nonzero(weight > 0).squeeze(1)

@@ -59,6 +59,7 @@ from embckpt.errors import (
     as_error,
 )
 from embckpt.read.apply import apply_staged
+from embckpt.read.cells import listed
 from embckpt.read.heap import trim_heap
 from embckpt.read.plan import plan_reads, writer_ranks
 from embckpt.read.side_state import (
@@ -297,7 +298,9 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         seconds=time.perf_counter() - started,
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
-        diff_rows=tuple((w.shard.key, w.local_rows) for w in written if w.from_diff),
+        diff_rows=tuple(
+            (w.shard.key, torch.as_tensor(listed(w.local_rows))) for w in written if w.from_diff
+        ),
         phases=clock.seconds(),
         unused_statefuls=tuple(side.unused_statefuls),
     )
