@@ -139,12 +139,13 @@ class _Rows:
         self.mask[rows - self.offset] = True
 
     def member(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` (global ids inside the block, ascending, unique) in the set, elementwise."""
+        """``rows`` (global ids inside the block, ascending, unique) in the set, elementwise;
+        for a run of rows (a full's) a view of the set's own mask, not to be written."""
         if not len(rows):
             return np.zeros(0, dtype=bool)
         first, last = int(rows[0]) - self.offset, int(rows[-1]) - self.offset
-        if last - first + 1 == len(rows):  # a run of rows (a full's): a slice, no gather
-            return self.mask[first : last + 1].copy()
+        if last - first + 1 == len(rows):  # a slice, no gather
+            return self.mask[first : last + 1]
         return self.mask[rows - self.offset]
 
     def count_in(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -283,5 +284,5 @@ def _newest(rows: np.ndarray, given: _Rows | None) -> np.ndarray | None:
     """Which of ``rows`` no newer file gave (a mask), None when none was given."""
     if given is None:
         return None
-    mask = ~given.member(rows)
-    return None if mask.all() else mask
+    held = given.member(rows)
+    return ~held if held.any() else None
