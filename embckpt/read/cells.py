@@ -189,7 +189,11 @@ def apply_row_states(found: Sequence[RowStateRows]) -> None:
             for p in group:
                 if not len(p.local_rows):
                     continue
-                values = torch.from_numpy(np.asarray(p.values[name])).to(target.dtype)
+                given = np.asarray(p.values[name])  # may be read-only Arrow memory
+                if target.device.type == "cpu" and given.dtype == as_numpy(target).dtype:
+                    _copy_rows(as_numpy(target), given, p.local_rows)  # copied, not converted
+                    continue
+                values = torch.tensor(given).to(target.dtype)
                 if target.device.type == "cpu":
                     _copy_rows(as_numpy(target), as_numpy(values), p.local_rows)
                 else:
