@@ -249,9 +249,29 @@ def _apply_file(
             if overlap is not None:
                 local = block_rows(batch.rows[overlap.in_batch], shard.row_offset)
                 written.extend(_write_cells(staged, decoded, shard, keep, overlap, local))
-                row_state_rows.extend(_row_states(staged, decoded, shard, keep, overlap, local))
+                found = _row_states(staged, decoded, shard, keep, overlap, local)
+                row_state_rows.extend(_copied_now(staged, found))
         clock.add("apply", time.perf_counter() - started)
     return written, row_state_rows
+
+
+def _copied_now(staged: StagedFile, found: list[RowStateRows]) -> list[RowStateRows]:
+    """Copies the base's row-wise states that span their block's columns at once, and
+    returns the others, to apply once every file of their checkpoint is decoded.
+
+    Why: nothing older is applied after the base, and a spanning file's rows are the only
+    ones of its checkpoint that hold their state (writer blocks do not overlap), so copying
+    them now gives what the copy after the waves gave, while the batch's decoded states are
+    freed at once instead of held to the end (40 MB for a 10M-row block)."""
+    if staged.read.position != 0:
+        return found
+    now = [r for r in found if (r.col_lo, r.col_hi) == _columns(r.shard)]
+    apply_row_states(now)
+    return [r for r in found if (r.col_lo, r.col_hi) != _columns(r.shard)]
+
+
+def _columns(shard: TableShard) -> tuple[int, int]:
+    return shard.col_offset, shard.col_offset + shard.num_cols
 
 
 @dataclass(frozen=True)
