@@ -397,7 +397,8 @@ def _row_states(
     overlap: _Overlap,
     local: np.ndarray | RowRun,
 ) -> list[RowStateRows]:
-    """A batch's kept row-wise states for one block, applied later per checkpoint."""
+    """A batch's kept row-wise states for one block, to apply per checkpoint (the base's at
+    once where they can be: :func:`_copied_now`)."""
     kept = None if keep.states is None else keep.states[overlap.in_keep]
     if not decoded.row_states or (kept is not None and not kept.any()):
         return []
