@@ -186,17 +186,22 @@ def _word(fused: np.ndarray, r: int, at: int) -> np.uint32:
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _half_word(fused: np.ndarray, r: int, at: int) -> np.uint32:
+    """The little-endian 16-bit word at ``fused[r, at:at + 2]``."""
+    return _U32(fused[r, at]) | (_U32(fused[r, at + 1]) << _U32(8))
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _params(
     fused: np.ndarray, r: int, at: int, bits: int, half: bool, bias_stored: bool
 ) -> tuple[np.float64, np.float64]:
     """Row ``r``'s scale and bias from its fused bytes at ``at`` (fp16 when ``half``, else
     fp32; without a stored bias, the symmetric grid's ``-2**(bits-1) * scale``)."""
     if half:
-        scale = np.float64(half_value(_U32(fused[r, at]) | (_U32(fused[r, at + 1]) << _U32(8))))
+        scale = np.float64(half_value(_half_word(fused, r, at)))
         if not bias_stored:
             return scale, -np.float64(1 << (bits - 1)) * scale
-        bias = half_value(_U32(fused[r, at + 2]) | (_U32(fused[r, at + 3]) << _U32(8)))
-        return scale, np.float64(bias)
+        return scale, np.float64(half_value(_half_word(fused, r, at + 2)))
     scale = np.float64(bits_f32(_word(fused, r, at)))
     if not bias_stored:
         return scale, -np.float64(1 << (bits - 1)) * scale
@@ -213,8 +218,8 @@ def dequantize(
     out: np.ndarray,
 ) -> None:
     """``scale * q + bias`` for the packed codes at the start of each row of ``fused``, its
-    parameters read from the row's tail (fp16 when ``half``, else fp32 and ``wide``; the bias
-    implied where not ``bias_stored``): in float32 like the torch path for fp16 parameters, in
+    parameters read from the row's tail (fp16 when ``half``, else fp32; the bias implied
+    where not ``bias_stored``): in float32 like the torch path for fp16 parameters, in
     float64 for fp32 ones. Reading them here, not gathered into arrays first, saved the
     strided copies and casts that took most of a 4-bit full's decode (10.2M rows of 16
     columns: 160 of 440 ms on a rank).
