@@ -15,12 +15,15 @@ import torch
 
 from embckpt.codecs import Codec, make_codec
 from embckpt.read import apply as apply_module
+from embckpt.read import stage as stage_module
 from embckpt.read.apply import read_into
+from embckpt.read.plan import FileRead, chained_blocks
 from embckpt.sharding import TableShard
 from embckpt.storage.chain import read_chain
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.layout import MANIFEST_NAME
 from embckpt.storage.manifest import FileEntry, Manifest, TableEntry
+from embckpt.storage.rowfile_read import BATCH_BYTES
 from embckpt.storage.rowfile_write import encode_file, index_file
 
 ROWS, COLS, STATE = 400, 16, "momentum"
@@ -146,13 +149,34 @@ def test_chain_pass_equals_replay_and_file_by_file(
     batched = _shard()
     read_into(store, chain, [batched], threads=2)
     assert passes == [12]  # the block's 12 diff files, in one pass
-    monkeypatch.setattr(apply_module, "chain_blocks", lambda diffs: [])
+    # No block chained: staging masks every diff by what newer ones give, applied file by file.
+    monkeypatch.setattr(stage_module, "chained_blocks", lambda reads: set())
     by_file = _shard()
     read_into(store, chain, [by_file], threads=2)
     assert len(passes) == 1
     for shard in (batched, by_file):
         assert np.array_equal(shard.weight.numpy().view(np.int32), weights.view(np.int32))
         assert np.array_equal(shard.row_states[STATE].numpy(), states)
+
+
+def test_a_block_is_chained_when_its_every_diff_is_small_and_its_alone() -> None:
+    blocks = [_shard() for _ in range(4)]
+
+    def read(position: int, size: int, *targets: TableShard) -> FileRead:
+        entry = FileEntry("f.parquet", size, "0", "rows", 0, "t", 0, 0, ROWS, COLS, 1)
+        return FileRead(position, position + 1, position > 0, entry, targets, None)
+
+    small, large = 1 << 10, BATCH_BYTES + 1
+    reads = [
+        read(0, large, *blocks),  # the base, whatever its size or targets
+        read(1, small, blocks[0]),
+        read(2, small, blocks[0]),
+        read(1, large, blocks[1]),  # one large diff: file by file
+        read(2, small, blocks[1]),
+        read(1, small, blocks[2], blocks[3]),  # a diff of two blocks: neither chained
+        read(2, small, blocks[3]),
+    ]
+    assert chained_blocks(reads) == {id(blocks[0])}
 
 
 @pytest.mark.parametrize("name", ["delta", "adaptive", "raw", "log8", "kmeans"])

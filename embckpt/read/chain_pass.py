@@ -4,20 +4,26 @@ Why: applied file by file (``apply.py``), each link of a chain cost its fixed wo
 per width of each delta file, masks cut per decoded batch, a write per file and column
 segment) whatever its bytes: about 11 ms per link on a 2-core machine. Here the diff files of
 one block along the whole chain are decoded together (``Codec.decode_many``: one decode per
-width and metadata, not per file), then written: every replacing cell, then the additions in
-chain order. For a block on a GPU, quantized rows decode there (``cells.device_decodes``), as
-in ``apply.py``.
+width and metadata, not per file), then written in chain order. For a block on a GPU,
+quantized rows decode there (``cells.device_decodes``), as in ``apply.py``.
 
-Exactness: the same float operations in the same order as file by file. After
-``Coverage``'s masks, a cell is replaced by at most one diff (the newest replacing one), and
-an additive diff older than that one is masked out for it: so every replace first, then the
-additions in chain order, gives each cell the value the file-by-file order gives it.
+Exactness: each diff's every row is written (or added) in chain order, file by file, after the
+base: what applying the chain checkpoint by checkpoint does, so a newer write simply comes
+later. No masks: staging gives these files unmasked keeps (``Coverage.whole``), and skips the
+masks of what newer files give. Those cost more than the writes they saved: a mask per file
+and column segment, a gather of every decoded batch, and the coverage bookkeeping over the
+block (``plan._Rows``), while the rows they skipped were decoded anyway (a diff is decoded
+whole). Measured in fresh ranks on the 2-core machine of ``benchmarks/results/``
+(``benchmarks/restore_ab.py``, 3 pairs): the 16-link chain of ``benchmarks/family.py``'s dim128
+model in 107-156 ms instead of 162-186 ms, the 8-link chain of its 10.2M-row model in
+251-352 ms instead of 311-343 ms.
 
-Which blocks: those whose every diff file is at most ``BATCH_BYTES`` (a diff's usual size:
-decoded whole) and gives no other block of this rank. The others take ``apply.py``'s path
-(batch by batch, a large file's batches on several threads); both write disjoint blocks.
-The files of a block are taken a few at a time, in chain order (about ``BATCH_BYTES`` of them
-encoded), which keeps the order above and bounds the decoded rows.
+Which blocks: those whose every diff read is at most ``BATCH_BYTES`` (a diff's usual size:
+decoded whole) and gives no other block of this rank, decided before staging
+(``plan.chained_blocks``). The others take ``apply.py``'s path (batch by batch, a large file's
+batches on several threads); both write disjoint blocks. The files of a block are taken a few
+at a time, in chain order (about ``BATCH_BYTES`` of them encoded), which keeps the order above
+and bounds the decoded rows.
 """
 
 from __future__ import annotations
@@ -51,21 +57,14 @@ from embckpt.storage.rowfile_read import BATCH_BYTES, RowBatch
 
 
 def chain_blocks(diffs: Sequence[StagedFile]) -> list[list[StagedFile]]:
-    """The diff files of each block the chain pass applies, in chain order (the caller
-    applies every other file file by file)."""
+    """The diff files of each block the chain pass applies (``StagedFile.chained``, decided
+    at staging: ``plan.chained_blocks``), in chain order; the caller applies every other file
+    file by file."""
     by_block: dict[int, list[StagedFile]] = {}
-    excluded: set[int] = set()
     for file in diffs:
-        targets = file.read.targets
-        if len(targets) != 1 or file.read.planned_bytes > BATCH_BYTES:
-            excluded.update(id(t) for t in targets)
-        for target in targets:
-            by_block.setdefault(id(target), []).append(file)
-    return [
-        sorted(files, key=lambda f: f.read.position)
-        for key, files in by_block.items()
-        if key not in excluded
-    ]
+        if file.chained:
+            by_block.setdefault(id(file.read.targets[0]), []).append(file)
+    return [sorted(files, key=lambda f: f.read.position) for files in by_block.values()]
 
 
 @dataclass
@@ -286,18 +285,15 @@ def _row_states(item: _Loaded, values: dict[str, np.ndarray]) -> list[tuple[int,
 
 
 def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[_Cells]) -> None:
-    """Every replacing cell of a column segment, then the additions in chain order (``found``
-    is in chain order), file by file: the files of one checkpoint give disjoint rows, so each
-    cell gets its one write or addition as a single scatter would give it. Joining them first
-    cost a copy and a reorder of every value: on the 2-core machine of ``benchmarks/results/``,
-    a third of the single-threaded restore of ``benchmarks/stall.py``'s chain on the CPU."""
-    for additive in (False, True):
-        for cell in found:
-            if cell.additive != additive:
-                continue
-            if isinstance(cell.values, ChangeCells):
-                columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
-                add_changes(cell.values, columns)
-                continue
-            target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
-            put_cells(target, cell.values[:, cell.in_file], dest, add=additive)
+    """Every cell of a column segment in chain order (``found`` is), file by file: a write
+    replaces what an older file wrote or added, an addition adds to it, as applying the
+    chain checkpoint by checkpoint would. Joining the files first cost a copy and a reorder of
+    every value: on the 2-core machine of ``benchmarks/results/``, a third of the
+    single-threaded restore of ``benchmarks/stall.py``'s chain on the CPU."""
+    for cell in found:
+        if isinstance(cell.values, ChangeCells):
+            columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
+            add_changes(cell.values, columns)
+            continue
+        target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
+        put_cells(target, cell.values[:, cell.in_file], dest, add=cell.additive)

@@ -10,7 +10,9 @@ writer's plan: files are addressed by their global row and column block, rows by
 before it is fetched when newer checkpoints already give every row it could hold (its row
 range, from the index), and records per block and column segment which of a staged file's rows
 are still the newest version (:class:`Keep`). Files of an additive codec add to older versions
-instead of replacing them, so they give no cells.
+instead of replacing them, so they give no cells. The diffs of the blocks the chain pass
+applies in chain order (:func:`chained_blocks`) are neither masked nor recorded: every row of
+theirs is written, newer ones later.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from embckpt.blocks import TableShard
 from embckpt.storage.manifest import FileEntry, Manifest
+from embckpt.storage.rowfile_read import BATCH_BYTES
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,23 @@ def plan_reads(chain: Sequence[Manifest], shards: Sequence[TableShard]) -> list[
                 FileRead(position, manifest.step, manifest.kind == "diff", entry, targets, groups)
             )
     return reads
+
+
+def chained_blocks(reads: Sequence[FileRead]) -> set[int]:
+    """The blocks (``id`` of their ``TableShard``) whose diffs the chain pass applies, all
+    along the chain in chain order (``chain_pass.py``): every diff read of theirs has them as
+    its one target and is at most ``BATCH_BYTES`` (a diff's usual size, decoded whole). Decided
+    before pruning, which only shrinks reads, so staging and applying agree on it."""
+    blocks: set[int] = set()
+    excluded: set[int] = set()
+    for read in reads:
+        if not read.position:
+            continue
+        keys = {id(t) for t in read.targets}
+        if len(keys) != 1 or read.planned_bytes > BATCH_BYTES:
+            excluded |= keys
+        blocks |= keys
+    return blocks - excluded
 
 
 class _Rows:
@@ -257,6 +277,19 @@ class Coverage:
                 segments.append((lo, hi, mask))
             states = _newest(inside, self._states.get(id(shard)))
             keeps.append(Keep(int(first), int(last), tuple(segments), states))
+        return keeps
+
+    def whole(self, read: FileRead, rows: np.ndarray) -> list[Keep]:
+        """Per target block, every one of a staged file's ``rows`` inside it, unmasked: for
+        files applied in chain order (``chain_pass.py``), where a newer file's write simply
+        comes later."""
+        keeps = []
+        for shard in read.targets:
+            first, last = np.searchsorted(
+                rows, [shard.row_offset, shard.row_offset + shard.num_rows]
+            )
+            segments = tuple((lo, hi, None) for lo, hi in self.segments(read, shard))
+            keeps.append(Keep(int(first), int(last), segments, None))
         return keeps
 
     def give(self, read: FileRead, rows: np.ndarray, keeps: Sequence[Keep], additive: bool) -> None:

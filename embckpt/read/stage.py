@@ -8,7 +8,8 @@ diffs are many such small files, whose fixed costs a fetch per block multiplied.
 that the file's codecs are known and decodes its row ids, so what a decode could still reject
 (an unknown codec, a file that does not parse) is found here, before any rank writes a row.
 Between checkpoints, :class:`~embckpt.read.plan.Coverage` prunes the older checkpoints' row
-groups and marks the rows each staged file still gives; the positions of small diffs are
+groups and marks the rows each staged file still gives (not for the diffs the chain pass
+applies in chain order, ``plan.chained_blocks``: they keep every row); the positions of small diffs are
 fetched all at once, unpruned, from the start (their fixed costs overlap on the threads).
 
 What the restore's clock counts here: ``fetch`` is getting the bytes (for memory-mapped local
@@ -34,7 +35,7 @@ import numpy as np
 from embckpt.codecs import Codec, codec_from_config
 from embckpt.cores import restore_threads
 from embckpt.errors import CheckpointCorruptError
-from embckpt.read.plan import Coverage, FileRead, Keep
+from embckpt.read.plan import Coverage, FileRead, Keep, chained_blocks
 from embckpt.read.pool import inline_size, submit_all, worker_pool
 from embckpt.storage.fs import CheckpointStore
 from embckpt.storage.manifest import FileEntry, RowGroupEntry
@@ -95,6 +96,7 @@ class StagedFile:
     group_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     group_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
     keeps: list[Keep] | None = None
+    chained: bool = False  # applied by the chain pass, in chain order (``chain_pass.py``)
 
     @property
     def additive(self) -> bool:
@@ -266,6 +268,7 @@ def stage(
     cost = ReadCost()
     bar = _progress_bar(sum(r.planned_bytes for r in reads), progress)
     coverage = Coverage(reads)
+    chained = chained_blocks(reads)
     by_position: list[list[StagedFile]] = [[] for _ in range(chain_length)]
     submitted: list[tuple[int, concurrent.futures.Future]] = []
     try:
@@ -291,9 +294,15 @@ def stage(
                         files = sorted(by_position[position], key=lambda f: f.read.entry.path)
                         by_position[position] = files
                         for file in files:
-                            file.keeps = coverage.keep(file.read, file.rows)
+                            file.chained = position > 0 and id(file.read.targets[0]) in chained
+                            if file.chained:
+                                file.keeps = coverage.whole(file.read, file.rows)
+                            else:
+                                file.keeps = coverage.keep(file.read, file.rows)
                             cost.bytes_needed += file.needed_bytes()
                         for file in files if position else ():  # nothing older than the base
+                            if file.chained:
+                                continue
                             assert file.keeps is not None  # kept just above
                             coverage.give(file.read, file.rows, file.keeps, file.additive)
             except BaseException:  # whatever failed: what any position staged is released
