@@ -9,8 +9,9 @@ that the file's codecs are known and decodes its row ids, so what a decode could
 (an unknown codec, a file that does not parse) is found here, before any rank writes a row.
 Between checkpoints, :class:`~embckpt.read.plan.Coverage` prunes the older checkpoints' row
 groups and marks the rows each staged file still gives (not for the diffs the chain pass
-applies in chain order, ``plan.chained_blocks``: they keep every row); the positions of small diffs are
-fetched all at once, unpruned, from the start (their fixed costs overlap on the threads).
+applies in chain order, ``plan.chained_blocks``: they keep every row); the positions of small
+diffs are fetched all at once, unpruned, from the start (their fixed costs overlap on the
+threads).
 
 What the restore's clock counts here: ``fetch`` is getting the bytes (for memory-mapped local
 files only the mapping: their page-cache reads happen while verifying), ``verify`` the checksums
