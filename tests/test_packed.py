@@ -167,6 +167,44 @@ def test_a_partial_read_fetches_only_one_blocks_row_groups(
         whole.close()
 
 
+def test_the_blocks_of_one_packed_file_share_their_codecs(
+    packed_run: tuple[Path, list[dict]],
+) -> None:
+    from embckpt.read.plan import plan_reads
+    from embckpt.read.stage import _by_file, stage_blocks
+    from embckpt.sharding import TableShard
+    from embckpt.storage.chain import read_chain
+    from embckpt.storage.fs import CheckpointStore
+
+    root, _ = packed_run
+    store = CheckpointStore(root)
+    chain = read_chain(store, STEPS[1])
+    entries = [f for f in chain[-1].files if f.block is not None and f.rank == 0]
+    shards = [  # the writer's blocks, as a reader of its plan holds them
+        TableShard(
+            e.table,
+            e.fqn,
+            "row_wise",
+            e.row_offset,
+            e.col_offset,
+            e.row_offset + e.shard_rows,
+            e.col_offset + e.shard_cols,
+            torch.zeros(e.shard_rows, e.shard_cols),
+        )
+        for e in entries
+    ]
+    reads = [r for r in plan_reads(chain, shards) if r.position == 1]
+    (packed,) = [group for group in _by_file(reads) if len(group) > 1]
+    staged, _ = stage_blocks(store, packed)
+    try:
+        configs = {str(f.codec.get_config()) for f in staged}
+        assert len({id(f.codec) for f in staged}) == len(configs)
+        assert len({id(f.state_codec) for f in staged}) == 1
+    finally:
+        for file in staged:
+            file.checked.close()
+
+
 def test_verify_report_and_export_read_packed_files(
     packed_run: tuple[Path, list[dict]],
 ) -> None:

@@ -165,9 +165,10 @@ def stage_blocks(
     finally:
         checked.close()  # the views hold the fetched bytes
     staged: list[StagedFile] = []
+    known: list[tuple[Any, Codec]] = []  # the file's blocks mostly share their codecs
     try:
         for read, view in zip(reads, views, strict=True):
-            staged.append(_staged(read, view, clock))
+            staged.append(_staged(read, view, clock, known))
     except BaseException:
         for view in views:  # closing twice is harmless
             view.close()
@@ -216,9 +217,17 @@ def _one_fetch(reads: Sequence[FileRead]) -> tuple[FileEntry, list[int]]:
 _NOT_READ = RowGroupEntry(first_row=0, last_row=-1, rows=0, offset=0, length=0, checksum="")
 
 
-def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFile:
+def _staged(
+    read: FileRead,
+    checked: CheckedFile,
+    clock: PhaseClock,
+    known: list[tuple[Any, Codec]] | None = None,
+) -> StagedFile:
     """A staged file from its checked bytes (closed on failure): its codecs known and its
-    row ids read, which proves the file parses."""
+    row ids read, which proves the file parses. Codecs of a config in ``known`` (the blocks of
+    one packed file staged so far) are shared, not rebuilt: codecs decode on several threads
+    at once already (a writer's blocks share one), and rebuilding two per block cost about a
+    tenth of a small link's staging."""
     entry = read.entry
     index = entry.partial_index
     if read.groups is None or index is None:
@@ -230,8 +239,8 @@ def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFi
     group_rate = np.array(sizes, dtype=np.float64) / np.maximum(counts, 1)
     try:
         try:
-            codec = codec_from_config(checked.header["codec"])
-            state_codec = codec_from_config(checked.header["state_codec"])
+            codec = _codec(checked.header["codec"], known)
+            state_codec = _codec(checked.header["state_codec"], known)
         except KeyError as exc:
             raise CheckpointCorruptError(
                 checked.path, f"no codec in the file's metadata: {exc}"
@@ -247,6 +256,18 @@ def _staged(read: FileRead, checked: CheckedFile, clock: PhaseClock) -> StagedFi
         checked.close()
         raise
     return StagedFile(read, checked, codec, state_codec, rows, group_ends, group_rate)
+
+
+def _codec(config: Any, known: list[tuple[Any, Codec]] | None) -> Codec:
+    """The codec ``config`` names: one of ``known`` with an equal config, else a new one
+    (added to ``known``). Configs are compared as dicts: few per file, and cheaper than a key."""
+    for seen, codec in known or ():
+        if seen == config:
+            return codec
+    codec = codec_from_config(config)
+    if known is not None:
+        known.append((config, codec))
+    return codec
 
 
 def stage(
