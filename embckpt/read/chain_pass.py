@@ -250,7 +250,7 @@ def _gather(
         if mask is not None and not mask.any():
             continue
         rows = item.local if mask is None else item.local[mask]
-        written.append(WrittenRows(shard, torch.from_numpy(rows), lo, hi, file.read.from_diff))
+        written.append(WrittenRows(shard, rows, lo, hi, file.read.from_diff))
         in_file = slice(lo - entry.col_offset, hi - entry.col_offset)
         for name, values in fields.items():
             if name is not None and name not in shard.elem_states:
@@ -295,5 +295,5 @@ def _write(shard: TableShard, lo: int, hi: int, dest: torch.Tensor, found: list[
             columns = as_numpy(dest)[:, lo - shard.col_offset : hi - shard.col_offset]
             add_changes(cell.values, columns)
             continue
-        target = WrittenRows(shard, torch.from_numpy(cell.rows), lo, hi, True)
+        target = WrittenRows(shard, cell.rows, lo, hi, True)
         put_cells(target, cell.values[:, cell.in_file], dest, add=cell.additive)

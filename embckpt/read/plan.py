@@ -17,6 +17,7 @@ theirs is written, newer ones later.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,10 @@ class FileRead:
     targets: tuple[TableShard, ...]
     groups: tuple[int, ...] | None
 
-    @property
+    @functools.cached_property
     def planned_bytes(self) -> int:
+        """The bytes to fetch: asked for by every step of a restore that sizes its work
+        (several times per file and block), and a sum over row groups each time."""
         index = self.entry.partial_index
         if index is None or self.groups is None:
             return self.entry.bytes
