@@ -246,7 +246,7 @@ def _staged(
                 checked.path, f"no codec in the file's metadata: {exc}"
             ) from exc
         with clock.time("decode"):
-            rows = checked.row_ids()  # the row column alone: proves the file parses
+            rows = checked.row_ids()  # proves the file parses (a small one's read whole)
         listed = int(group_ends[-1]) if len(group_ends) else 0
         if len(rows) != listed:
             raise CheckpointCorruptError(
