@@ -2,7 +2,7 @@
 
 Files are decoded in bounded batches and each cell is written once, from the newest file that
 holds it: those writes are disjoint, so every file is applied in parallel. (The small diffs of
-most blocks are not applied here but by ``chain_pass.py``, every row in chain order.) Files of an
+most blocks go to ``chain_pass.py`` instead: every row of each, in chain order.) Files of an
 additive codec (``Codec.additive``) add to what older checkpoints restored, so a chain with
 one is applied checkpoint by checkpoint in chain order (the masks still skip what a newer file
 that replaces rows overwrites). Row-wise optimizer states (one value per row per column block)
