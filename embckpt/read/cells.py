@@ -34,7 +34,7 @@ class RowRun:
         return self.count
 
 
-LocalRows = torch.Tensor | np.ndarray | RowRun
+LocalRows = np.ndarray | RowRun
 """A block's local rows, ascending: listed, or a run."""
 
 
@@ -50,7 +50,7 @@ def listed(rows: LocalRows) -> np.ndarray:
     """``rows`` as an array of row numbers (a run's spelled out)."""
     if isinstance(rows, RowRun):
         return np.arange(rows.first, rows.first + rows.count, dtype=np.int64)
-    return rows.numpy() if isinstance(rows, torch.Tensor) else rows
+    return rows
 
 
 def _span(rows: LocalRows) -> tuple[int, int, bool]:

@@ -270,16 +270,14 @@ class Coverage:
         """Per target block, which of a staged file's ``rows`` are still the newest."""
         keeps = []
         for shard in read.targets:
-            first, last = np.searchsorted(
-                rows, [shard.row_offset, shard.row_offset + shard.num_rows]
-            )
+            first, last = _inside(rows, shard)
             inside = rows[first:last]
             segments = []
             for lo, hi in self.segments(read, shard):
                 mask = _newest(inside, self._cells.get((id(shard), lo)))
                 segments.append((lo, hi, mask))
             states = _newest(inside, self._states.get(id(shard)))
-            keeps.append(Keep(int(first), int(last), tuple(segments), states))
+            keeps.append(Keep(first, last, tuple(segments), states))
         return keeps
 
     def whole(self, read: FileRead, rows: np.ndarray) -> list[Keep]:
@@ -288,11 +286,9 @@ class Coverage:
         comes later."""
         keeps = []
         for shard in read.targets:
-            first, last = np.searchsorted(
-                rows, [shard.row_offset, shard.row_offset + shard.num_rows]
-            )
+            first, last = _inside(rows, shard)
             segments = tuple((lo, hi, None) for lo, hi in self.segments(read, shard))
-            keeps.append(Keep(int(first), int(last), segments, None))
+            keeps.append(Keep(first, last, segments, None))
         return keeps
 
     def give(self, read: FileRead, rows: np.ndarray, keeps: Sequence[Keep], additive: bool) -> None:
@@ -314,6 +310,12 @@ class Coverage:
         if key not in sets:
             sets[key] = _Rows(shard)
         return sets[key]
+
+
+def _inside(rows: np.ndarray, shard: TableShard) -> tuple[int, int]:
+    """Where a staged file's ``rows`` (global ids, ascending) inside ``shard`` start and end."""
+    first, last = np.searchsorted(rows, [shard.row_offset, shard.row_offset + shard.num_rows])
+    return int(first), int(last)
 
 
 def _newest(rows: np.ndarray, given: _Rows | None) -> np.ndarray | None:

@@ -174,8 +174,8 @@ class CheckedFile:
     def row_ids(self) -> np.ndarray:
         """The global row ids stored in the checked row groups, ascending; of a small file,
         those of :meth:`read_all`'s one batch, which is kept for its next call (a chain's
-        diffs are staged, then applied whole: reading them twice cost a tenth of a small
-        link's work per block).
+        diffs are staged, then applied whole: each block of them was read and wrapped
+        twice).
 
         Raises:
             CheckpointCorruptError: the checked bytes do not parse.
