@@ -105,6 +105,7 @@ def _count_readers(monkeypatch: pytest.MonkeyPatch, built: Counter, reads: Count
 
 
 def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:
+    import embckpt.codecs.row_kernels  # noqa: F401  (loaded: the scatter takes its kernel path)
     from embckpt.codecs import make_codec
     from embckpt.read.cells import WrittenRows
     from embckpt.read.cells import put_cells as _put
@@ -119,10 +120,10 @@ def test_raw_rows_are_applied_from_a_view_of_the_file_bytes() -> None:
     assert torch.equal(codec.decode(encoded, 4), rows)  # a copy, as before
     dest = torch.zeros(10, 4)
     shard = TableShard("t", "", "row_wise", 0, 0, 10, 4, dest)
-    _put(WrittenRows(shard, torch.tensor([1, 2, 5, 7, 8, 9]), 0, 4, False), view, dest, False)
+    _put(WrittenRows(shard, np.array([1, 2, 5, 7, 8, 9]), 0, 4, False), view, dest, False)
     assert torch.equal(dest[[1, 2, 5, 7, 8, 9]], rows) and not dest[[0, 3, 4, 6]].any()
     added = torch.ones(10, 4)
-    _put(WrittenRows(shard, torch.arange(6), 0, 4, False), view, added, True)
+    _put(WrittenRows(shard, np.arange(6), 0, 4, False), view, added, True)
     assert torch.equal(added[:6], rows + 1)
     bf16 = make_codec("raw").encode(rows.to(torch.bfloat16))
     assert codec.decode_view(bf16, 4) is None  # numpy has no bfloat16: decode() copies
