@@ -100,7 +100,7 @@ class Codec(abc.ABC):
             first = items[members[0]]
             joined = EncodedRows(
                 {
-                    name: pa.concat_arrays([_chunk(items[i].columns[name]) for i in members])
+                    name: pa.concat_arrays([one_array(items[i].columns[name]) for i in members])
                     for name in first.columns
                 },
                 first.metadata,
@@ -124,8 +124,13 @@ class Codec(abc.ABC):
         return cls(**options)
 
 
-def _chunk(column: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """``column`` as one Arrow array: a chunked column's only chunk as it is, several joined.
+    Arrow's ``combine_chunks`` copies even a single chunk, and a restore's columns come one
+    chunk per row group: a small diff's block was copied there for nothing."""
+    if not isinstance(column, pa.ChunkedArray):
+        return column
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def _batch_key(item: EncodedRows) -> str:
@@ -211,8 +216,7 @@ def fixed_binary_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     Raises:
         ValueError: nulls, or binary entries of different lengths.
     """
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+    column = one_array(column)
     if column.null_count:
         raise ValueError("fixed-size binary column has nulls")
     if pa.types.is_binary(column.type):

@@ -32,6 +32,7 @@ from embckpt.codecs.base import (
     as_binary,
     fixed_binary_column,
     fixed_binary_values,
+    one_array,
 )
 from embckpt.errors import CodecError, ConfigError
 
@@ -170,8 +171,7 @@ class StagedCodec(Codec):
             CodecError: the column does not match the metadata.
         """
         column = encoded.columns[PAYLOAD]
-        if isinstance(column, pa.ChunkedArray):
-            column = column.combine_chunks()
+        column = one_array(column)
         meta = encoded.metadata
         if meta.get("entropy") == "huffman":
             if not pa.types.is_binary(column.type) and not pa.types.is_large_binary(column.type):

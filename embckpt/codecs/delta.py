@@ -52,6 +52,7 @@ from embckpt.codecs.base import (
     codec_from_config,
     fixed_binary_column,
     fixed_binary_values,
+    one_array,
     register,
 )
 from embckpt.codecs.common import PAYLOAD, binary_buffers, binary_column, float_rows
@@ -263,8 +264,7 @@ class DeltaCodec(Codec):
         at = 0
         for encoded in items:
             column = encoded.columns[PAYLOAD]
-            if isinstance(column, pa.ChunkedArray):
-                column = column.combine_chunks()
+            column = one_array(column)
             if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
                 raise CodecError("delta payload is not a binary column")
             offsets, data = binary_buffers(column)

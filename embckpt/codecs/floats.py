@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from embckpt.codecs.base import EncodedRows, register
+from embckpt.codecs.base import EncodedRows, one_array, register
 from embckpt.codecs.common import PAYLOAD, StagedCodec, float_rows, float_tables
 from embckpt.errors import CodecError
 
@@ -66,8 +66,7 @@ def float_list_rows(column: pa.Array | pa.ChunkedArray, num_cols: int) -> torch.
     Raises:
         CodecError: the rows are not ``num_cols`` wide, or hold nulls.
     """
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+    column = one_array(column)
     if column.type.list_size != num_cols:
         raise CodecError(f"payload rows hold {column.type.list_size} values, expected {num_cols}")
     values = column.flatten()

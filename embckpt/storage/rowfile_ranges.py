@@ -96,21 +96,21 @@ class FetchedFile:
         return self._small
 
     def rows_of(self, groups: Sequence[int]) -> pa.Table:
-        """The ``columns`` of row groups ``groups`` (checked ones) of a small file, one chunk
-        each, from the one read of all of them."""
+        """The ``columns`` of row groups ``groups`` (checked ones) of a small file, from the
+        one read of all of them: a chunk per row group, as Parquet read them (joining the
+        file's chunks copied every byte of it, where a block of one row group needs none)."""
         with self._lock:  # blocks of one file may be applied on several threads
             if self._table is None:
-                read = self._new_reader().read_row_groups(
+                self._table = self._new_reader().read_row_groups(
                     self.groups, columns=self.columns, use_threads=False
                 )
-                self._table = read.combine_chunks()
                 counts = [self.footer.row_group(g).num_rows for g in self.groups]
                 starts = np.cumsum([0, *counts]).tolist()
                 self._spans = {g: (starts[i], starts[i + 1]) for i, g in enumerate(self.groups)}
             table, spans = self._table, [self._spans[g] for g in groups]
         if all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)):
             return table.slice(spans[0][0], spans[-1][1] - spans[0][0]) if spans else table[:0]
-        return pa.concat_tables([table.slice(lo, hi - lo) for lo, hi in spans]).combine_chunks()
+        return pa.concat_tables([table.slice(lo, hi - lo) for lo, hi in spans])
 
     def use(self) -> None:
         with self._lock:

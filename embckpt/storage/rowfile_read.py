@@ -165,6 +165,8 @@ class CheckedFile:
                     wanted = fetched.columns if columns is None else columns
                     return parquet.read_row_groups(groups, columns=wanted, use_threads=False)
             table = fetched.rows_of(groups)
+            if table.num_columns and table.column(0).num_chunks > 1:
+                table = table.combine_chunks()  # several row groups: one batch (read())
             return table if columns is None else table.select(columns)
         except PARSE_ERRORS as exc:
             raise CheckpointCorruptError(
@@ -231,8 +233,8 @@ class CheckedFile:
         return self._fetched.small()
 
     def read_all(self) -> RowBatch:
-        """Every row of the checked row groups in one batch (columns of several chunks); of a
-        small file, the same batch each time, until :meth:`close`.
+        """Every row of the checked row groups in one batch; of a small file, the same batch
+        each time, until :meth:`close`.
 
         Raises:
             CheckpointCorruptError: the checked bytes do not parse.
