@@ -26,7 +26,7 @@ from embckpt.interval import AdaptiveInterval, IterationClock
 from embckpt.mch import MchTable, watch_evictions
 from embckpt.policy import make_policy
 from embckpt.read.restore import RestoreResult, restore_checkpoint
-from embckpt.read.stage import default_threads
+from embckpt.read.stage import asked_threads
 from embckpt.read.target import RestoreTarget
 from embckpt.save.capture import WriterReconstruction
 from embckpt.save.context import SaveContext
@@ -302,7 +302,8 @@ class Checkpointer:
         Args:
             step: the checkpoint; the latest committed one if None.
             threads: reader threads per rank (default: ``EMBCKPT_RESTORE_THREADS``, else the
-                rank's share of the cores).
+                rank's share of the cores plus those the ranks of its host leave idle while it
+                restores more than they do, ``cores.balanced_restore_threads``).
             progress: a progress bar on rank 0 (None: for large restores on a terminal).
             discard_newer: after a successful restore, rank 0 moves every committed checkpoint
                 newer than the restored one to ``discarded/`` under the directory (manifest
@@ -323,7 +324,7 @@ class Checkpointer:
             statefuls=self.statefuls,
             comm=self.comm,
             store=self.store,
-            threads=threads or default_threads(),
+            threads=threads or asked_threads(),
         )
         try:
             if self.tiers is None:

@@ -222,6 +222,47 @@ def test_restore_threads_take_twice_the_rank_share(monkeypatch: pytest.MonkeyPat
     assert default_threads() == 3  # as the environment says
 
 
+def test_restore_threads_take_the_cores_the_other_ranks_leave_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from embckpt.cores import balanced_restore_threads
+    from embckpt.read.restore import _threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert balanced_restore_threads(100, [100]) == 1  # both ranks busy: no core to spare
+    assert balanced_restore_threads(100, [90]) == 1
+    assert balanced_restore_threads(100, [5]) == 2  # the other rank's core is soon idle
+    assert balanced_restore_threads(5, [100]) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert balanced_restore_threads(100, [100, 100, 100]) == 2  # the rank's share
+    assert balanced_restore_threads(100, [0, 0, 50]) == 4  # at most twice the share
+
+    class TwoRanks:  # rank 0 of 2; the other rank plans ``other`` bytes
+        rank, world_size = 0, 2
+
+        def __init__(self, other: float) -> None:
+            self.other, self.calls = other, 0
+
+        def all_sum(self, values: list[float]) -> list[float]:
+            self.calls += 1
+            return [values[0], self.other]
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    local, remote = SimpleNamespace(is_local=True), SimpleNamespace(is_local=False)
+    comm = TwoRanks(other=10)
+    assert _threads(SimpleNamespace(comm=comm, store=local, threads=None), 1000) == 2
+    assert _threads(SimpleNamespace(comm=TwoRanks(1000), store=local, threads=None), 1000) == 1
+    assert _threads(SimpleNamespace(comm=TwoRanks(1000), store=remote, threads=None), 1) == 2
+    asked = SimpleNamespace(comm=comm, store=local, threads=5)
+    assert _threads(asked, 1000) == 5 and comm.calls == 2  # asked for, yet exchanged by all
+
+
 def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:
     from types import SimpleNamespace
 

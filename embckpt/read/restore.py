@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from embckpt import failpoints, kernel_cache
+from embckpt.cores import balanced_restore_threads, local_ranks, restore_threads
 from embckpt.dtypes import dtype_name
 from embckpt.errors import (
     ChainIncompleteError,
@@ -61,7 +62,7 @@ from embckpt.errors import (
 from embckpt.read.apply import apply_staged
 from embckpt.read.cells import listed
 from embckpt.read.heap import trim_heap
-from embckpt.read.plan import plan_reads, writer_ranks
+from embckpt.read.plan import FileRead, plan_reads, writer_ranks
 from embckpt.read.side_state import (
     SideState,
     apply_side_state,
@@ -205,7 +206,6 @@ def restore_checkpoint(
 def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> RestoreResult | None:
     started = time.perf_counter()
     comm, store = into.comm, into.store
-    threads = into.threads
     choice: tuple[int | None, str | None, str | None] = (None, None, None)
     if comm.rank == 0:
         try:  # the newest, or the one asked for: a look or two, not one per checkpoint
@@ -240,6 +240,7 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
     side: SideState | None = None
     clock = PhaseClock(RESTORE_PHASES)
     what = f"restoring step {target}"
+    reads: list[FileRead] = []
     try:
         with clock.time("plan"):
             path = store.step_path(target)
@@ -249,15 +250,23 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
             check_model_matches(into, chain[-1], path)
             failpoints.hit("restore.plan")
             reads = plan_reads(chain, shards)
-        total = sum(r.planned_bytes for r in reads)
-        show = comm.rank == 0 and (
-            progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
-        )
-        failpoints.hit("restore.fetch")
-        staged, cost = stage(store, len(chain), reads, threads=threads, progress=show, clock=clock)
-        failpoints.hit("restore.side_state")
-        side = read_side_state(into, chain[-1])
-        cost.other_bytes += side.bytes_read
+    except Exception as exc:  # gathered below so that every rank raises
+        error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
+    total = sum(r.planned_bytes for r in reads)
+    with clock.time("plan"):  # every rank, whatever failed: a collective
+        threads = _threads(into, total)
+    try:
+        if error is None:
+            show = comm.rank == 0 and (
+                progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
+            )
+            failpoints.hit("restore.fetch")
+            staged, cost = stage(
+                store, len(chain), reads, threads=threads, progress=show, clock=clock
+            )
+            failpoints.hit("restore.side_state")
+            side = read_side_state(into, chain[-1])
+            cost.other_bytes += side.bytes_read
     except Exception as exc:  # gathered below so that every rank raises
         error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
     try:
@@ -313,6 +322,29 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         cost.bytes_needed / 1e6,
     )
     return result
+
+
+def _threads(into: RestoreTarget, planned: int) -> int:
+    """This rank's reader threads: as asked (``RestoreTarget.threads``), else from every rank's
+    ``planned`` bytes, which the ranks exchange (a collective, made whatever was asked, so that
+    every rank makes it): the rank's share of the cores plus what the ranks of its host leave
+    idle (``cores.balanced_restore_threads``); from a store that is not a local disk, where
+    threads wait on the network, :func:`~embckpt.cores.restore_threads`."""
+    comm = into.comm
+    mine = [0.0] * comm.world_size
+    mine[comm.rank] = float(planned)
+    try:
+        every = comm.all_sum(mine)
+    except RankError as exc:
+        raise RestoreRankError(f"sharing the planned bytes: {exc}") from exc
+    if into.threads is not None:
+        return into.threads
+    if not into.store.is_local:
+        return restore_threads()
+    host = local_ranks()
+    first = comm.rank - comm.rank % host
+    others = [every[r] for r in range(first, min(first + host, comm.world_size)) if r != comm.rank]
+    return balanced_restore_threads(float(planned), others)
 
 
 def _tty() -> bool:

@@ -50,9 +50,15 @@ def default_threads() -> int:
     """Reader threads per rank: the ``EMBCKPT_RESTORE_THREADS`` environment variable, else
     :func:`~embckpt.cores.restore_threads` (twice this rank's share of the machine's cores,
     ``LOCAL_WORLD_SIZE`` ranks per machine, at most 8)."""
+    return asked_threads() or restore_threads()
+
+
+def asked_threads() -> int | None:
+    """Reader threads per rank that the ``EMBCKPT_RESTORE_THREADS`` environment variable
+    asks for, or None."""
     if os.environ.get(THREADS_ENV):
         return max(1, int(os.environ[THREADS_ENV]))
-    return restore_threads()
+    return None
 
 
 @dataclass

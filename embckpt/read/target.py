@@ -23,7 +23,9 @@ class RestoreTarget:
     statefuls: Mapping[str, dense.Stateful]
     comm: Collective
     store: CheckpointStore
-    threads: int  # reader threads of this rank
+    # Reader threads of this rank; None: chosen per restore from every rank's planned bytes
+    # (``cores.balanced_restore_threads``).
+    threads: int | None
     # Only these blocks (``TableShard.key``) get rows; None: all. A partial recovery
     # (``tiers/restore.py``) leaves the lost blocks as an older step restored them.
     blocks: frozenset[str] | None = None
