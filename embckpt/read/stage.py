@@ -47,9 +47,11 @@ THREADS_ENV = "EMBCKPT_RESTORE_THREADS"
 
 
 def default_threads() -> int:
-    """Reader threads per rank: the ``EMBCKPT_RESTORE_THREADS`` environment variable, else
+    """Reader threads where the other ranks' work is unknown (the follower, a merge): the
+    ``EMBCKPT_RESTORE_THREADS`` environment variable, else
     :func:`~embckpt.cores.restore_threads` (twice this rank's share of the machine's cores,
-    ``LOCAL_WORLD_SIZE`` ranks per machine, at most 8)."""
+    ``LOCAL_WORLD_SIZE`` ranks per machine, at most 8). A restore weighs the ranks' planned
+    bytes instead (``restore._threads``)."""
     return asked_threads() or restore_threads()
 
 
