@@ -167,9 +167,10 @@ def test_a_partial_read_fetches_only_one_blocks_row_groups(
         whole.close()
 
 
-def test_the_blocks_of_one_packed_file_share_their_codecs(
+def test_the_blocks_of_one_packed_file_share_their_codecs_and_its_read(
     packed_run: tuple[Path, list[dict]],
 ) -> None:
+    from embckpt.codecs.base import one_array
     from embckpt.read.plan import plan_reads
     from embckpt.read.stage import _by_file, stage_blocks
     from embckpt.sharding import TableShard
@@ -200,6 +201,13 @@ def test_the_blocks_of_one_packed_file_share_their_codecs(
         configs = {str(f.codec.get_config()) for f in staged}
         assert len({id(f.codec) for f in staged}) == len(configs)
         assert len({id(f.state_codec) for f in staged}) == 1
+        # Each block's payload is a slice of the file's one Parquet read, and a codec takes it
+        # as it is (Arrow's combine_chunks would copy even this one chunk).
+        payloads = [f.checked.read_all().encoded.columns["payload"] for f in staged]
+        assert all(p.num_chunks == 1 for p in payloads)
+        data = {one_array(p).buffers()[-1].address for p in payloads}
+        assert data == {p.chunk(0).buffers()[-1].address for p in payloads}
+        assert len(data) == 1  # one read for the file's blocks
     finally:
         for file in staged:
             file.checked.close()

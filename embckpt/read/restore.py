@@ -8,7 +8,8 @@ The flow, in the phases ``RestoreResult.phases`` times (every rank, together):
              own checksum; a missing link is named with what needs it), checks that the
              model's tables (names, shapes, dtypes) equal the checkpoint's, and lists the
              files and row groups its own blocks overlap (``plan.py``). Only the reader's own
-             plan is needed: files are addressed by global rows and columns;
+             plan is needed: files are addressed by global rows and columns; the ranks then
+             sum their planned bytes, from which each picks its threads (``_threads``);
 2. fetch   - each rank's threads fetch those row groups, newest checkpoint first, skipping what
              newer checkpoints already give (``stage.py``); the dense and per-rank files are
              read whole;

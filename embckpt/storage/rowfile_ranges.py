@@ -96,9 +96,9 @@ class FetchedFile:
         return self._small
 
     def rows_of(self, groups: Sequence[int]) -> pa.Table:
-        """The ``columns`` of row groups ``groups`` (checked ones) of a small file, from the
-        one read of all of them: a chunk per row group, as Parquet read them (joining the
-        file's chunks copied every byte of it, where a block of one row group needs none)."""
+        """The ``columns`` of row groups ``groups`` (checked ones) of a small file: slices of
+        the one read of all of them, which Parquet gives as one chunk per column (joining its
+        chunks again copied every byte of the file for nothing)."""
         with self._lock:  # blocks of one file may be applied on several threads
             if self._table is None:
                 self._table = self._new_reader().read_row_groups(
