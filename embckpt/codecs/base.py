@@ -126,8 +126,8 @@ class Codec(abc.ABC):
 
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """``column`` as one Arrow array: a chunked column's only chunk as it is, several joined.
-    Arrow's ``combine_chunks`` copies even a single chunk, and a restore's columns come one
-    chunk per row group: a small diff's block was copied there for nothing."""
+    Arrow's ``combine_chunks`` copies even a single chunk, and a restore's block columns are
+    one-chunk slices of a file's read: a small diff's block was copied there for nothing."""
     if not isinstance(column, pa.ChunkedArray):
         return column
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()

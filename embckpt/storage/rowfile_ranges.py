@@ -96,9 +96,10 @@ class FetchedFile:
         return self._small
 
     def rows_of(self, groups: Sequence[int]) -> pa.Table:
-        """The ``columns`` of row groups ``groups`` (checked ones) of a small file: slices of
-        the one read of all of them, which Parquet gives as one chunk per column (joining its
-        chunks again copied every byte of the file for nothing)."""
+        """The ``columns`` of row groups ``groups`` (checked ones) of a small file, one chunk
+        each: a slice of the one read of all of them, which Parquet gives as one chunk per
+        column (joining its chunks again copied every byte of the file for nothing), or, for
+        groups apart, their slices joined."""
         with self._lock:  # blocks of one file may be applied on several threads
             if self._table is None:
                 self._table = self._new_reader().read_row_groups(
@@ -110,7 +111,7 @@ class FetchedFile:
             table, spans = self._table, [self._spans[g] for g in groups]
         if all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)):
             return table.slice(spans[0][0], spans[-1][1] - spans[0][0]) if spans else table[:0]
-        return pa.concat_tables([table.slice(lo, hi - lo) for lo, hi in spans])
+        return pa.concat_tables([table.slice(lo, hi - lo) for lo, hi in spans]).combine_chunks()
 
     def use(self) -> None:
         with self._lock:

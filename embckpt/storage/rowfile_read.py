@@ -165,8 +165,6 @@ class CheckedFile:
                     wanted = fetched.columns if columns is None else columns
                     return parquet.read_row_groups(groups, columns=wanted, use_threads=False)
             table = fetched.rows_of(groups)
-            if table.num_columns and table.column(0).num_chunks > 1:
-                table = table.combine_chunks()  # groups apart (concat_tables): one batch
             return table if columns is None else table.select(columns)
         except PARSE_ERRORS as exc:
             raise CheckpointCorruptError(
