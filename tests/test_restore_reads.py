@@ -83,6 +83,60 @@ def test_a_large_file_read_block_by_block_builds_its_parquet_reader_once(
         np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
 
 
+@pytest.mark.parametrize("small_bytes", [None, -1])
+def test_a_full_s_row_ids_come_from_its_footer_and_its_row_column_is_never_decoded(
+    packed_run: tuple[Path, list[dict]],  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+    small_bytes: int | None,
+) -> None:
+    """Where each row group holds one run of ids (a full's), the footer's statistics give
+    them and no read decodes the row column; elsewhere (a diff's scattered rows) it is
+    decoded. Either way the ids are those stored, and every weight restores exactly; with
+    files small (one read each) or read group by group."""
+    from embckpt.read.export import reconstruct
+    from embckpt.storage import rowfile_ranges
+    from embckpt.storage.rowfile import ROW_COLUMN
+
+    root, written = packed_run
+    if small_bytes is not None:
+        monkeypatch.setattr(rowfile_ranges, "SMALL_BYTES", small_bytes)
+    asked: dict[int, list[list[str]]] = {}
+    runs: dict[int, bool] = {}
+    new_reader = rowfile_ranges.FetchedFile._new_reader
+
+    def watched_reader(self: rowfile_ranges.FetchedFile) -> Any:
+        reader = new_reader(self)
+        read = reader.read_row_groups
+        ids = np.concatenate(
+            [read([g], columns=[ROW_COLUMN])[ROW_COLUMN].to_numpy() for g in self.groups]
+        )
+        told = self.contiguous_rows(self.groups)
+        runs[id(self)] = told is not None
+        if told is not None:
+            np.testing.assert_array_equal(told, ids, err_msg=self.path)
+        else:
+            assert np.any(np.diff(ids) != 1), self.path  # a run would have been told
+
+        def watched_read(groups: Any, columns: Any = None, **kwargs: Any) -> Any:
+            asked.setdefault(id(self), []).append(list(columns or []))
+            return read(groups, columns=columns, **kwargs)
+
+        reader.read_row_groups = watched_read
+        return reader
+
+    monkeypatch.setattr(rowfile_ranges.FetchedFile, "_new_reader", watched_reader)
+    rebuilt = reconstruct(root, STEPS[-1], threads=1)
+    told = [f for f, run in runs.items() if run]
+    decoded = [f for f, run in runs.items() if not run]
+    assert told and decoded, runs  # the chain has both kinds of files
+    assert all(ROW_COLUMN not in c for f in told for c in asked.get(f, [])), asked
+    assert all(any(ROW_COLUMN in c for c in asked[f]) for f in decoded), asked
+    truth = assemble([w["at_save"] for w in written])
+    for key, weight in rebuilt.tables.items():
+        table = next(t for t in truth if key.endswith(t.rsplit(".", 1)[-1] + ".weight"))
+        np.testing.assert_array_equal(weight.numpy(), truth[table]["weight"], err_msg=key)
+
+
 def _count_readers(monkeypatch: pytest.MonkeyPatch, built: Counter, reads: Counter) -> None:
     """Counts, per fetched file, the Parquet readers built over it and the reads they make."""
     from embckpt.storage.rowfile_ranges import FetchedFile

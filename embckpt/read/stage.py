@@ -232,10 +232,10 @@ def _staged(
     known: list[tuple[Any, Codec]] | None = None,
 ) -> StagedFile:
     """A staged file from its checked bytes (closed on failure): its codecs known and its
-    row ids read, which proves the file parses. Codecs of a config in ``known`` (the blocks of
-    one packed file staged so far) are shared, not rebuilt: codecs decode on several threads
-    at once already (a writer's blocks share one), and rebuilding two per block cost about a
-    tenth of a small link's staging."""
+    row ids read (decoded, or told by the footer where each row group is one run of ids).
+    Codecs of a config in ``known`` (the blocks of one packed file staged so far) are shared,
+    not rebuilt: codecs decode on several threads at once already (a writer's blocks share
+    one), and rebuilding two per block cost about a tenth of a small link's staging."""
     entry = read.entry
     index = entry.partial_index
     if read.groups is None or index is None:
@@ -254,7 +254,7 @@ def _staged(
                 checked.path, f"no codec in the file's metadata: {exc}"
             ) from exc
         with clock.time("decode"):
-            rows = checked.row_ids()  # proves the file parses (a small one's read whole)
+            rows = checked.row_ids()  # a small file is read whole here
         listed = int(group_ends[-1]) if len(group_ends) else 0
         if len(rows) != listed:
             raise CheckpointCorruptError(

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from embckpt.errors import CheckpointCorruptError
-from embckpt.storage.rowfile import COL_COLUMN, HEADER_KEY, TABLE_COLUMN
+from embckpt.storage.rowfile import COL_COLUMN, HEADER_KEY, ROW_COLUMN, TABLE_COLUMN
 
 SMALL_BYTES = 1 << 20  # row groups of a file read once, every decoded column, for all its blocks
 PARSE_ERRORS = (pa.ArrowException, OSError, KeyError, TypeError, ValueError)
@@ -70,6 +70,8 @@ class FetchedFile:
         # What a reader decodes: a block's table and first column are in the header (the
         # columns serve queries over the files); skipping them saved 7-14% of a diff's read.
         self.columns = [n for n in schema.names if n not in (TABLE_COLUMN, COL_COLUMN)]
+        self.value_columns = [n for n in self.columns if n != ROW_COLUMN]
+        self._first_rows: dict[int, int | None] = {}
 
     @contextlib.contextmanager
     def parquet(self) -> Iterator[pq.ParquetFile]:
@@ -95,15 +97,53 @@ class FetchedFile:
             self._small = size <= SMALL_BYTES
         return self._small
 
+    def contiguous_rows(self, groups: Sequence[int]) -> np.ndarray | None:
+        """The row ids of row groups ``groups`` where each group holds one run of consecutive
+        ids, told by the footer's statistics alone (None where one does not, or has none): a
+        writer stores a block's ids ascending and unique, so a group whose largest id is its
+        smallest plus its rows less one holds exactly that run. A full's groups do, and decoding
+        their row column (delta-packed int64) took as long as decoding its codes (1.2 ms for a
+        486k-row file of 16 4-bit columns), twice: at staging, then with the rows."""
+        starts = []
+        for g in groups:
+            if g not in self._first_rows:
+                self._first_rows[g] = self._run_start(g)
+            first = self._first_rows[g]
+            if first is None:
+                return None
+            starts.append((first, self.footer.row_group(g).num_rows))
+        if len(starts) == 1:
+            return np.arange(starts[0][0], sum(starts[0]), dtype=np.int64)
+        return np.concatenate(
+            [np.arange(first, first + n, dtype=np.int64) for first, n in starts]
+            or [np.zeros(0, dtype=np.int64)]
+        )
+
+    def _run_start(self, group: int) -> int | None:
+        meta = self.footer.row_group(group)
+        for i in range(meta.num_columns):
+            column = meta.column(i)
+            if column.path_in_schema == ROW_COLUMN:
+                stats = column.statistics
+                if stats is None or not stats.has_min_max or meta.num_rows == 0:
+                    return None
+                first, last = int(stats.min), int(stats.max)
+                return first if last - first + 1 == meta.num_rows else None
+        return None
+
     def rows_of(self, groups: Sequence[int]) -> pa.Table:
-        """The ``columns`` of row groups ``groups`` (checked ones) of a small file, one chunk
+        """The ``columns`` of row groups ``groups`` (checked ones) of a small file (without the
+        row ids where :meth:`contiguous_rows` gives those of every checked group), one chunk
         each: a slice of the one read of all of them, which Parquet gives as one chunk per
         column (joining its chunks again copied every byte of the file for nothing), or, for
         groups apart, their slices joined."""
         with self._lock:  # blocks of one file may be applied on several threads
             if self._table is None:
+                known = self.contiguous_rows(self.groups) is not None
                 self._table = self._new_reader().read_row_groups(
-                    self.groups, columns=self.columns, use_threads=False
+                    self.groups,
+                    columns=self.value_columns if known else self.columns,
+                    use_threads=False,
                 )
                 counts = [self.footer.row_group(g).num_rows for g in self.groups]
                 starts = np.cumsum([0, *counts]).tolist()

@@ -130,7 +130,6 @@ def block_columns(
     )
     table = pa.Table.from_arrays(list(columns.values()), schema=schema)
     compression = {name: "none" for name in columns}
-    compression[ROW_COLUMN] = "zstd"
     compression.update(encoded.compression)
     for prefix, states in coded.items():
         for name, state in states.items():
