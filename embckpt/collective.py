@@ -67,6 +67,18 @@ class Collective:
             dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def broadcast_numbers(self, values: list[float], src: int = 0) -> list[float]:
+        """Rank ``src``'s ``values`` on every rank (float64: integers exact up to 2**53), in one
+        tensor broadcast: :meth:`broadcast` pickles and sends a size, then the bytes, which
+        cost 0.55 ms against 0.2 ms by median (2 gloo ranks, the 2-core machine of
+        ``benchmarks/results/``)."""
+        if self.group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        with _failing_as_rank_error("broadcast"):
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor.tolist()
+
     def all_sum(self, values: list[float]) -> list[float]:
         if self.group is None:
             return values

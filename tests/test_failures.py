@@ -103,6 +103,18 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
     with Checkpointer(fresh, f"{root}/empty", optimizer=fresh_opt) as other:
         out["empty"] = other.restore()
         out["empty_created"] = os.path.isdir(f"{root}/empty")
+
+    # 7. Rank 0 chooses the step for every rank: one that is not committed, or a listing that
+    # fails on rank 0 alone, raises on every rank with rank 0's reason.
+    with Checkpointer(fresh, f"{root}/a", optimizer=fresh_opt, config=one_shot) as other:
+        out["not_committed"] = tm.raised(lambda: other.restore(12))
+        if rank == 0:
+
+            def unlistable() -> None:
+                raise OSError("injected: listing failed")
+
+            other.store.newest_committed = unlistable
+        out["unlisted"] = tm.raised(other.restore)
     return out
 
 
@@ -128,6 +140,10 @@ def test_failures_are_caught_and_named() -> None:
         assert out["mismatch"] and "ModelMismatchError" in out["mismatch"], where
         assert f"table {tm.COLLECTION}.t_" in out["mismatch"], where
         assert out["empty"] is None and out["empty_created"], where
+        assert "no committed checkpoint of step 12" in out["not_committed"], where
+        assert "committed: 5, 10, 15" in out["not_committed"], where
+        assert "cannot list the checkpoints" in out["unlisted"], where
+        assert "injected: listing failed" in out["unlisted"], where
     # The truncated file was written by rank 1 (table-wise on the last rank): rank 1 names the
     # size problem itself, rank 0 quotes it.
     assert "size is" in results[1]["truncated"]

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from embckpt import failpoints, kernel_cache
+from embckpt.collective import Collective
 from embckpt.cores import balanced_restore_threads, local_ranks, restore_threads
 from embckpt.dtypes import dtype_name
 from embckpt.errors import (
@@ -224,7 +225,7 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         except Exception as exc:  # broadcast: the other ranks must not wait for a choice
             choice = (None, None, f"cannot list the checkpoints of {store.uri}: {exc}")
     try:
-        target, missing, unlisted = comm.broadcast(choice)
+        target, missing, unlisted = _share_choice(comm, choice)
     except RankError as exc:
         raise RestoreRankError(f"choosing the step to restore: {exc}") from exc
     if unlisted is not None:
@@ -323,6 +324,23 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         cost.bytes_needed / 1e6,
     )
     return result
+
+
+def _share_choice(
+    comm: Collective, choice: tuple[int | None, str | None, str | None]
+) -> tuple[int | None, str | None, str | None]:
+    """Rank 0's ``choice`` (step, why it is missing, why none could be listed) on every rank:
+    the step as a number, and the messages, pickled, only when there is one (every restore
+    agrees on its step; few fail to)."""
+    step, missing, unlisted = choice
+    has_step, has_message = (
+        float(step is not None),
+        float(missing is not None or unlisted is not None),
+    )
+    sent, found, failed = comm.broadcast_numbers([float(step or 0), has_step, has_message])
+    if failed:
+        return comm.broadcast(choice)
+    return (int(sent) if found else None), None, None
 
 
 def _threads(into: RestoreTarget, planned: int) -> int:
