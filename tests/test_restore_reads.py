@@ -110,8 +110,14 @@ def test_a_full_s_row_ids_come_from_its_footer_and_its_row_column_is_never_decod
         ids = np.concatenate(
             [read([g], columns=[ROW_COLUMN])[ROW_COLUMN].to_numpy() for g in self.groups]
         )
-        told = self.contiguous_rows(self.groups)
+        told = self.contiguous_rows(self.groups)  # from the manifest's index
         runs[id(self)] = told is not None
+        footer = rowfile_ranges.FetchedFile(
+            self.path, self.size, self.footer, self.segments, self.groups, None
+        ).contiguous_rows(self.groups)  # from the footer's statistics (a file without index)
+        assert (footer is None) == (told is None), self.path
+        if told is not None:
+            np.testing.assert_array_equal(footer, told, err_msg=self.path)
         if told is not None:
             np.testing.assert_array_equal(told, ids, err_msg=self.path)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from embckpt.errors import CheckpointCorruptError
+from embckpt.storage.manifest import FileIndex
 from embckpt.storage.rowfile import COL_COLUMN, HEADER_KEY, ROW_COLUMN, TABLE_COLUMN
 
 SMALL_BYTES = 1 << 20  # row groups of a file read once, every decoded column, for all its blocks
@@ -52,6 +53,7 @@ class FetchedFile:
         segments: list[tuple[int, pa.Buffer]],
         groups: Sequence[int],
         source: RangeSource | None,
+        first_rows: Mapping[int, int | None] | None = None,
     ) -> None:
         self.path, self.size, self.footer = path, size, footer
         self.segments, self.source = segments, source
@@ -71,7 +73,9 @@ class FetchedFile:
         # columns serve queries over the files); skipping them saved 7-14% of a diff's read.
         self.columns = [n for n in schema.names if n not in (TABLE_COLUMN, COL_COLUMN)]
         self.value_columns = [n for n in self.columns if n != ROW_COLUMN]
-        self._first_rows: dict[int, int | None] = {}
+        # Per row group, its first row id where it holds one run (None where not): from the
+        # manifest's index when given (no footer walk), else from the footer on first use.
+        self._first_rows: dict[int, int | None] = dict(first_rows or {})
 
     @contextlib.contextmanager
     def parquet(self) -> Iterator[pq.ParquetFile]:
@@ -167,6 +171,18 @@ class FetchedFile:
             self.segments, self._table, self._readers = [], None, []
         if source is not None:
             source.close()
+
+
+def index_runs(index: FileIndex, groups: Sequence[int]) -> dict[int, int | None]:
+    """Per row group ``groups`` of a file's ``index`` (by Parquet's number), its first row id
+    where it holds one run of ids, else None: the row column's statistics, as the manifest's
+    index keeps them (a writer's ids are ascending and unique)."""
+    runs: dict[int, int | None] = {}
+    for g in groups:
+        entry = index.row_groups[g]
+        one_run = entry.rows > 0 and entry.last_row - entry.first_row + 1 == entry.rows
+        runs[index.first_group + g] = entry.first_row if one_run else None
+    return runs
 
 
 class VerifiedRanges:

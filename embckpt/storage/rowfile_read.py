@@ -33,7 +33,7 @@ from embckpt.storage.rowfile import (
     ROW_COLUMN,
     STATE_PREFIX,
 )
-from embckpt.storage.rowfile_ranges import PARSE_ERRORS, FetchedFile, RangeSource
+from embckpt.storage.rowfile_ranges import PARSE_ERRORS, FetchedFile, RangeSource, index_runs
 from embckpt.storage.signing import check_digest
 
 BATCH_BYTES = 8 << 20  # bytes of row groups decoded at a time (at least one row group)
@@ -109,10 +109,10 @@ class CheckedFile:
         bytes_read: int,
         source: RangeSource | None = None,
         block: int | None = None,
+        first_rows: Mapping[int, int | None] | None = None,
     ) -> None:
-        self._init(
-            FetchedFile(path, size, footer, segments, groups, source), groups, bytes_read, block
-        )
+        fetched = FetchedFile(path, size, footer, segments, groups, source, first_rows)
+        self._init(fetched, groups, bytes_read, block)
 
     def _init(
         self, fetched: FetchedFile, groups: Sequence[int], bytes_read: int, block: int | None
@@ -351,8 +351,9 @@ def open_ranges(
                 f"footer lists {parsed.num_row_groups} row groups, the manifest {listed}",
             )
         parquet_groups = [index.first_group + g for g in groups]
+        runs = index_runs(index, groups)
         return CheckedFile(
-            path, size, parsed, segments, parquet_groups, fetched.bytes, source, block
+            path, size, parsed, segments, parquet_groups, fetched.bytes, source, block, runs
         )
     except BaseException:
         source.close()
