@@ -79,11 +79,13 @@ def best_schedule(full_bytes: float, diff_costs: np.ndarray) -> tuple[float, lis
 
 
 def best_bounded_schedule(
-    full_bytes: float, diff_costs: np.ndarray, bound: float
+    full_bytes: float, diff_costs: np.ndarray, bound: float, link_bytes: float = 0.0
 ) -> tuple[float, list[str]]:
     """The cheapest schedule of fulls, one-shot and incremental diffs whose every checkpoint
     restores reading at most ``bound`` bytes (a full alone always may): (bytes written, per
-    interval ``F`` full / ``d`` one-shot / ``i`` incremental).
+    interval ``F`` full / ``d`` one-shot / ``i`` incremental). ``link_bytes``: what each diff a
+    restore reads costs beyond its bytes, in bytes that take as long to restore (its files'
+    fixed work), counted against ``bound`` too.
 
     ``diff_costs[p, t]`` prices a diff at ``t`` on checkpoint ``p``: one-shot on the full ``f``
     (``diff_costs[f, t]``), incremental on ``t - 1``. After a full at ``f`` and the latest
@@ -97,7 +99,8 @@ def best_bounded_schedule(
 
     def reads(f: int, o: int, t: int) -> float:
         one_shot = diff_costs[f, o] if o > f else 0.0
-        return full_bytes + one_shot + increments[t] - increments[o]
+        links = (o > f) + (t - o)
+        return full_bytes + one_shot + increments[t] - increments[o] + link_bytes * links
 
     # states[(f, o)] = (bytes written so far, the previous interval's state, this kind)
     states: dict[tuple[int, int], tuple[float, tuple[int, int] | None, str]] = {

@@ -50,22 +50,25 @@ def test_best_schedule_is_the_cheapest_of_every_schedule() -> None:
     assert np.isclose(schedule_bytes(one_shot_parents(kinds), pricing.full_bytes, costs), total)
 
 
-def _walk(kinds: tuple[str, ...], full: float, costs: np.ndarray) -> tuple[float, float]:
-    """Bytes written and the most any restore reads, for a schedule of F / d / i."""
+def _walk(
+    kinds: tuple[str, ...], full: float, costs: np.ndarray, link: float = 0.0
+) -> tuple[float, float]:
+    """Bytes written and the most any restore reads (``link`` more per diff it reads), for a
+    schedule of F / d / i."""
     written = most = chain = 0.0
-    f = 0
+    f = links = 0
     for t, kind in enumerate(kinds):
         if kind == "F":
-            f = t
+            f, links = t, 0
             chain = cost = full
         elif kind == "d":
             cost = costs[f, t]
-            chain = full + cost
+            chain, links = full + cost, 1
         else:
             cost = costs[t - 1, t]
-            chain += cost
+            chain, links = chain + cost, links + 1
         written += cost
-        most = max(most, chain if kind != "F" else 0.0)
+        most = max(most, chain + link * links if kind != "F" else 0.0)
     return written, most
 
 
@@ -86,6 +89,59 @@ def test_bounded_schedule_is_the_cheapest_within_the_bound() -> None:
         written, most = _walk(tuple(kinds), pricing.full_bytes, costs)
         assert np.isclose(written, total) and most <= bound
     assert kinds == ["F"] * 7  # a bound below any diff leaves fulls alone
+
+
+def test_bounded_schedule_counts_each_link_s_fixed_cost_against_the_bound() -> None:
+    """``link_bytes``: every diff a restore reads costs that much more; against every
+    schedule of 7 intervals, for several bounds and link costs."""
+    rng = np.random.default_rng(3)
+    touched = rng.random((7, 300)) < rng.random((7, 1)) * 0.3
+    pricing = Pricing(full_bytes=400.0, diff_row_bytes=2.0, diff_fixed_bytes=10.0)
+    costs = pricing.diff_costs(union_counts(touched))
+    schedules = [("F", *rest) for rest in itertools.product("Fdi", repeat=6)]
+    lengths = []
+    for link, bound in itertools.product((0.0, 40.0, 150.0), (math.inf, 700.0, 550.0)):
+        walks = [_walk(kinds, pricing.full_bytes, costs, link) for kinds in schedules]
+        total, kinds = best_bounded_schedule(pricing.full_bytes, costs, bound, link)
+        assert np.isclose(total, min(w for w, most in walks if most <= bound)), (link, bound)
+        written, most = _walk(tuple(kinds), pricing.full_bytes, costs, link)
+        assert np.isclose(written, total) and most <= bound
+        if bound == 700.0:
+            lengths.append(max(len(c) for c in "".join(kinds).split("F")))
+    assert lengths[0] > lengths[-1]  # costlier links: shorter chains under the same bound
+
+
+def test_the_restore_frontier_writes_less_as_links_cost_less() -> None:
+    """``restore_frontier.py``: under ``dcp.load``'s time, cheaper links allow longer chains
+    and so fewer bytes written; the model's link cost is the measured per-link time less the
+    link's bytes at the full's rate."""
+    from restore_frontier import frontier
+
+    rng = np.random.default_rng(4)
+    counts = union_counts(rng.random((12, 2000)) < 0.03)
+    workload = {
+        "workload": "synthetic",
+        "oracle": {
+            "pricing": {"full_bytes": 8e5, "diff_row_bytes": 20.0, "diff_fixed_bytes": 1e3},
+            "write_reduction_x": 1.0,
+        },
+        "union_counts": counts.tolist(),
+        "full_restore_s": 0.030,
+        "restore_s_per_extra_link": 0.006,
+        "dcp_load_s": 0.045,
+        "full_fp32_bytes": 4e6,
+        "write_reduction_x": 1.0,
+        "chain_links": 1,
+        "restore_vs_dcp_load": 1.0,
+    }
+    row = frontier(workload)
+    reductions = [r["write_reduction_x"] for r in row["within_dcp_load"]]
+    links = [r["most_links_read"] for r in row["within_dcp_load"]]
+    assert reductions == sorted(reductions) and reductions[0] < reductions[-1], reductions
+    assert links == sorted(links), links
+    model = row["model"]
+    link_s = model["link_fixed_s"] + model["median_link_bytes"] * model["restore_s_per_byte"]
+    assert np.isclose(link_s, 0.006) and np.isclose(model["restore_s_per_byte"], 0.030 / 8e5)
 
 
 def test_a_schedule_prices_each_diff_on_its_parent() -> None:
