@@ -232,7 +232,7 @@ def _staged(
     known: list[tuple[Any, Codec]] | None = None,
 ) -> StagedFile:
     """A staged file from its checked bytes (closed on failure): its codecs known and its
-    row ids read (decoded, or told by the footer where each row group is one run of ids).
+    row ids read (decoded, or told by the index where each row group is one run of ids).
     Codecs of a config in ``known`` (the blocks of one packed file staged so far) are shared,
     not rebuilt: codecs decode on several threads at once already (a writer's blocks share
     one), and rebuilding two per block cost about a tenth of a small link's staging."""

@@ -28,11 +28,11 @@ Encodings: no dictionary (row payloads never repeat), delta-coded row ids, BYTE_
 float lists (``raw``, ``fp16``, ``bf16`` payloads and element-wise optimizer state), plain for
 the rest. No generic compression unless the codec asks for it (pyarrow's defaults measured
 about 5x slower to write on such files). Row ids were written with zstd over their delta-coded
-bytes until issue 39: 0.95 -> 0.86 bytes per id in a diff of 54k scattered rows of 1M, but 5%
-of a packed diff's id bytes for 0.13 of its 0.62 ms of Parquet read (each row group's chunk
-decompressed on its own: 8 blocks of a 7-link chain's diff, ``benchmarks/family.py``'s
-zipf1.0_dim32). A reader accepts any column with or without compression: Parquet records each
-column's codec.
+bytes until issue 39 (0.95 -> 0.86 bytes per id in a diff of 54k scattered rows of 1M); in a
+packed diff it saved 5% of the ids' bytes and cost 0.13 ms of the file's 0.62 ms Parquet read
+(one decompression per row group: 8 blocks in a diff of a 7-link chain of
+``benchmarks/family.py``'s zipf1.0_dim32), so they are stored uncompressed. A reader accepts any
+column with or without compression: Parquet records each column's codec.
 
 Partial reads: the writer records the byte range and CRC32C of every row group and of the
 footer (the manifest keeps them, see ``FileIndex``) and combines them into the whole file's

@@ -103,11 +103,12 @@ class FetchedFile:
 
     def contiguous_rows(self, groups: Sequence[int]) -> np.ndarray | None:
         """The row ids of row groups ``groups`` where each group holds one run of consecutive
-        ids, told by the footer's statistics alone (None where one does not, or has none): a
-        writer stores a block's ids ascending and unique, so a group whose largest id is its
-        smallest plus its rows less one holds exactly that run. A full's groups do, and decoding
-        their row column (delta-packed int64) took as long as decoding its codes (1.2 ms for a
-        486k-row file of 16 4-bit columns), twice: at staging, then with the rows."""
+        ids, told by the manifest's index (:func:`index_runs`) or else the footer's statistics
+        (None where a group does not, or neither tells): a writer stores a block's ids
+        ascending and unique, so a group whose largest id is its smallest plus its rows less one
+        holds exactly that run. A full's groups do, and decoding their row column (delta-packed
+        int64) took about as long as decoding the codes (1.2 ms for 486k rows of 16 columns at
+        4 bits), twice: at staging, then with the rows."""
         starts = []
         for g in groups:
             if g not in self._first_rows:

@@ -123,7 +123,7 @@ class CheckedFile:
         self._fetched = fetched
         self._closed = False
         self._all: RowBatch | None = None  # a small file's rows, read once (read_all)
-        self._known: np.ndarray | None = None  # row_ids() where the footer told them
+        self._known: np.ndarray | None = None  # row_ids() where the index or footer told them
         fetched.use()
         header = fetched.header
         try:
@@ -173,7 +173,7 @@ class CheckedFile:
             ) from exc
 
     def row_ids(self) -> np.ndarray:
-        """The global row ids stored in the checked row groups, ascending (from the footer
+        """The global row ids stored in the checked row groups, ascending (told by the index
         where each group is one run: ``FetchedFile.contiguous_rows``); of a small file, those
         of :meth:`read_all`'s one batch, which is kept for its next call (a chain's
         diffs are staged, then applied whole: each block of them was read and wrapped
@@ -190,8 +190,8 @@ class CheckedFile:
         return self._read(self.groups, [ROW_COLUMN])[ROW_COLUMN].to_numpy()
 
     def _ids_of(self, run: Sequence[int]) -> np.ndarray | None:
-        """The row ids of ``run`` (consecutive checked groups) where the footer tells them:
-        a slice of :meth:`row_ids`' when it gave them (a 10M-row full's ids are 80 MB of
+        """The row ids of ``run`` (consecutive checked groups) where the index or footer tells
+        them: a slice of :meth:`row_ids`' when it gave them (a 10M-row full's ids are 80 MB of
         fresh pages, 15 ms to fill), else made here; None where they must be decoded."""
         if self._known is None or not run:
             return self._fetched.contiguous_rows(run)
