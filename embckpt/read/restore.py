@@ -333,11 +333,10 @@ def _share_choice(
     the step as a number, and the messages, pickled, only when there is one (every restore
     agrees on its step; few fail to)."""
     step, missing, unlisted = choice
-    has_step, has_message = (
-        float(step is not None),
-        float(missing is not None or unlisted is not None),
+    reason = missing is not None or unlisted is not None
+    sent, found, failed = comm.broadcast_numbers(
+        [float(step or 0), float(step is not None), float(reason)]
     )
-    sent, found, failed = comm.broadcast_numbers([float(step or 0), has_step, has_message])
     if failed:
         return comm.broadcast(choice)
     return (int(sent) if found else None), None, None
