@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from embckpt.codecs import Codec, make_codec
+from embckpt.codecs.delta import DeltaCodec
 from embckpt.read import apply as apply_module
 from embckpt.read import stage as stage_module
 from embckpt.read.apply import read_into
@@ -410,11 +411,13 @@ def test_row_kernels_equal_numpy(dtype: type) -> None:
     assert np.array_equal(gathered, data[starts[:, None] + np.arange(7)])
 
 
-def _delta_items(rng: np.random.Generator, sizes: tuple[int, ...]) -> tuple[Codec, list]:
-    """A delta codec and batches of its changes at every width (2 to 8 bits, raw, zero)."""
-    from embckpt.codecs.delta import DeltaCodec
+def _delta_items(
+    rng: np.random.Generator, sizes: tuple[int, ...], inner: dict | None = None
+) -> tuple[Codec, list]:
+    """A delta codec (of ``inner``, else INNER with fp32 parameters) and batches of its
+    changes at every width (2 to 8 bits, raw, zero)."""
 
-    delta = make_codec("delta", {"inner": {**INNER, "param_dtype": "float32"}})
+    delta = make_codec("delta", {"inner": inner or {**INNER, "param_dtype": "float32"}})
     assert isinstance(delta, DeltaCodec)
     items = []
     for n in sizes:
@@ -426,18 +429,29 @@ def _delta_items(rng: np.random.Generator, sizes: tuple[int, ...]) -> tuple[Code
     return delta, items
 
 
+_INNERS = {
+    "adaptive, fp32 parameters": {**INNER, "param_dtype": "float32"},
+    "asymmetric, fp16 parameters": {"id": "asymmetric", "bits": 4, "param_dtype": "float16"},
+    "symmetric (no bias stored)": {"id": "symmetric", "bits": 4, "param_dtype": "float16"},
+    "kmeans (decoded first)": {"id": "kmeans", "bits": 4},
+}
+
+
+@pytest.mark.parametrize("inner", list(_INNERS))
 @pytest.mark.parametrize("together", [True, False])
-def test_changes_added_file_by_file_equal_the_dense_decode(together: bool) -> None:
-    """A chain's delta changes added file by file, each file's width groups in one pass
-    (read/changes.py: zero changes without a buffer), leave the block's bytes as the dense
-    decode added file by file through each keep mask does, -0.0 cells included (a zero change
-    makes them +0.0 both ways). The files' rows overlap in the block, so a wrong order of a
-    row's additions changes its bits. ``together``: the files decoded as one (their values in
-    one array), else each on its own."""
+def test_changes_added_file_by_file_equal_the_dense_decode(together: bool, inner: str) -> None:
+    """A chain's delta changes added file by file, each file in one kernel call
+    (read/changes.py: a uniform inner codec's entries decoded as they are added, by
+    ``delta_kernels.add_coded``; another's width groups decoded first; zero changes without
+    a buffer), leave the block's bytes as the dense decode added file by file through each
+    keep mask does, -0.0 cells included (a zero change makes them +0.0 both ways). The
+    files' rows overlap in the block, so a wrong order of a row's additions changes its
+    bits. ``together``: the files decoded as one (their values in one array), else each on
+    its own."""
     from embckpt.read.changes import ChangeCells, add_changes, decode_changes
 
     rng = np.random.default_rng(9)
-    delta, items = _delta_items(rng, (70, 45, 60))
+    delta, items = _delta_items(rng, (70, 45, 60), _INNERS[inner])
     dense = delta.decode_many(items, COLS)
     if together:
         sparse = decode_changes(delta, items, COLS)
@@ -446,9 +460,11 @@ def test_changes_added_file_by_file_equal_the_dense_decode(together: bool) -> No
     widths = {g.bits for g in delta.width_groups(items)[1]}
     assert len(widths) >= 3 and any((c.index < 0).any() for c in sparse)
     for changes, values in zip(sparse, dense, strict=True):
+        assert (changes.coded is None) == inner.startswith("kmeans")
         picked = changes.index >= 0
-        assert np.array_equal(changes.values[changes.index[picked]], values[picked].numpy())
         assert not values[~picked].any()
+        if changes.values is not None:
+            assert np.array_equal(changes.values[changes.index[picked]], values[picked].numpy())
     # A column segment (a strided block) and whole rows (C-ordered: the kernel's own loop).
     for masked, (width, lo, hi) in itertools.product((True, False), ((COLS + 4, 4, 10), (6, 0, 6))):
         block = rng.standard_normal((80, width)).astype(np.float32)
@@ -467,3 +483,17 @@ def test_changes_added_file_by_file_equal_the_dense_decode(together: bool) -> No
         for cell in cells:  # in chain order, as the chain pass adds them
             add_changes(cell, out)
         assert np.array_equal(block.view(np.int32), expected.view(np.int32)), (masked, width)
+
+
+@pytest.mark.parametrize("inner", list(_INNERS))
+def test_changes_of_another_row_width_are_refused(inner: str) -> None:
+    """Changes decoded for a row width their entries do not hold raise CodecError, whether
+    left coded (``DeltaCodec.kernel_parts`` checks each width's entry length, which the
+    kernel then trusts) or decoded first."""
+    from embckpt.errors import CodecError
+    from embckpt.read.changes import decode_changes
+
+    delta, items = _delta_items(np.random.default_rng(3), (20,), _INNERS[inner])
+    assert isinstance(delta, DeltaCodec)
+    with pytest.raises(CodecError, match="bytes"):
+        decode_changes(delta, items, COLS + 8)

@@ -11,22 +11,24 @@ from pathlib import Path
 
 import pytest
 
-CODECS = Path(__file__).resolve().parents[1] / "embckpt" / "codecs"
+PACKAGE = Path(__file__).resolve().parents[1] / "embckpt"
 KERNEL_MODULES = (
     "adaptive_kernels",
     "uniform_kernels",
     "kmeans_kernels",
     "huffman_kernels",
     "row_kernels",
+    "delta_kernels",
 )
 
 
 def _called_kernels() -> set[tuple[str, str]]:
     """(module, function) of every ``<kernel module>.<name>(`` call outside the kernel
-    modules: the entry points from Python."""
+    modules (the codecs, and the restore that adds rows with them): the entry points from
+    Python."""
     pattern = re.compile(rf"\b({'|'.join(KERNEL_MODULES)})\.([A-Za-z_]\w*)\(")
     calls = set()
-    for path in CODECS.glob("*.py"):
+    for path in [*(PACKAGE / "codecs").glob("*.py"), *(PACKAGE / "read").glob("*.py")]:
         if path.stem not in KERNEL_MODULES:
             calls.update(pattern.findall(path.read_text()))
     return calls

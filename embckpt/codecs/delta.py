@@ -90,6 +90,16 @@ class WidthGroup:
         return EncodedRows({PAYLOAD: fixed_binary_column(self.data)}, self.part)
 
 
+@dataclass(frozen=True)
+class RowEntries:
+    """One batch's payload entries: each row's decode group (``keys``, -1: width 0), and
+    where its entry lies in ``data`` (``offsets`` [n + 1])."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    data: np.ndarray
+
+
 @register
 class DeltaCodec(Codec):
     """Per-row-width deltas of a quantizing codec, within the whole-row error budget.
@@ -248,6 +258,58 @@ class DeltaCodec(Codec):
                 return
         out[:] = self.decode_group(group, num_cols)
 
+    def row_entries(
+        self, items: Sequence[EncodedRows]
+    ) -> tuple[list[RowEntries], list[tuple[int, int, Mapping[str, Any]]]]:
+        """Each batch's payload entries and their decode groups, and those groups:
+        ``(bits, entry length, inner metadata)``, numbered over all of ``items``.
+
+        Raises:
+            CodecError: a payload that is not a binary column, or a row matching no width.
+        """
+        entries: list[RowEntries] = []
+        parts: list[tuple[int, int, Mapping[str, Any]]] = []
+        for encoded in items:
+            column = one_array(encoded.columns[PAYLOAD])
+            if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+                raise CodecError("delta payload is not a binary column")
+            offsets, data = binary_buffers(column)
+            keys = self._row_keys(np.diff(offsets), encoded.metadata, parts)
+            entries.append(RowEntries(keys, offsets, data))
+        return entries, parts
+
+    def kernel_parts(
+        self, parts: Sequence[tuple[int, int, Mapping[str, Any]]], num_cols: int
+    ) -> np.ndarray | None:
+        """``parts`` (of :meth:`row_entries`) as ``delta_kernels.add_coded`` takes them (int64
+        [len(parts), 4]: width, fp16 parameters, bias stored, entry length), or None where
+        one of them is a width that kernel does not decode (a k-means inner codec, the
+        compiled kernels off).
+
+        Raises:
+            CodecError: an entry length that is not its width's for ``num_cols`` columns.
+        """
+        table = np.zeros((len(parts), 4), dtype=np.int64)
+        for k, (bits, length, part) in enumerate(parts):
+            if bits == RAW_BITS:
+                half, bias, expected = False, False, 4 * num_cols
+            else:
+                inner = self.width_codec(bits)
+                layout = (
+                    inner.fused_layout(part, num_cols) if isinstance(inner, UniformCodec) else None
+                )
+                if layout is None:
+                    return None
+                half, expected = layout
+                bias = inner.bias_stored
+            if length != expected:
+                raise CodecError(
+                    f"delta rows of {length} bytes for {num_cols} columns at {bits} bits "
+                    f"(expected {expected})"
+                )
+            table[k] = (bits, half, bias, length)
+        return table
+
     def width_groups(self, items: Sequence[EncodedRows]) -> tuple[list[int], list[WidthGroup]]:
         """The rows of ``items`` (counted over all of them, in order) of each width and inner
         metadata, and each item's row count: what a decoder, on the CPU or a GPU
@@ -257,31 +319,25 @@ class DeltaCodec(Codec):
         Raises:
             CodecError: a payload that is not a binary column, or a row matching no width.
         """
-        # Each column's own buffers, joined by numpy: casting every column to large_binary
-        # and concatenating them in Arrow cost about a tenth of a chain's width grouping.
-        starts, datas, keys = [], [], []
-        parts: list[tuple[int, int, Mapping[str, Any]]] = []  # (bits, length, inner metadata)
-        at = 0
-        for encoded in items:
-            column = encoded.columns[PAYLOAD]
-            column = one_array(column)
-            if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
-                raise CodecError("delta payload is not a binary column")
-            offsets, data = binary_buffers(column)
-            keys.append(self._row_keys(np.diff(offsets), encoded.metadata, parts))
-            datas.append(data[offsets[0] : offsets[-1]])
-            starts.append(offsets[:-1] + (at - offsets[0]))
-            at += int(offsets[-1] - offsets[0])
-        sizes = [len(k) for k in keys]
+        entries, parts = self.row_entries(items)
+        sizes = [len(e.keys) for e in entries]
         if not sum(sizes):
             return sizes, []
         # Imported here: its compiled signatures load with the module (numba's start-up,
         # which importing the codecs does not pay).
         from embckpt.codecs import row_kernels
 
+        # Each column's own buffers, joined by numpy: casting every column to large_binary
+        # and concatenating them in Arrow cost about a tenth of a chain's width grouping.
+        datas, starts, at = [], [], 0
+        for e in entries:
+            first, end = int(e.offsets[0]), int(e.offsets[-1])
+            datas.append(e.data[first:end])
+            starts.append(e.offsets[:-1] + (at - first))
+            at += end - first
         buffer = np.concatenate(datas) if len(datas) > 1 else np.ascontiguousarray(datas[0])
         start = np.concatenate(starts)
-        key = np.concatenate(keys)
+        key = np.concatenate([e.keys for e in entries])
         groups = []
         for k, (bits, length, part) in enumerate(parts):
             rows = np.flatnonzero(key == k)

@@ -28,7 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embckpt.codecs import make_codec, row_kernels
+from embckpt.codecs import delta_kernels, make_codec, row_kernels
+from embckpt.codecs.delta import DeltaCodec
 from embckpt.errors import import_extra
 
 _ROWS, _COLS = 257, 16  # an odd row count: the tail paths of the packing loops too
@@ -74,6 +75,13 @@ def compile_uniform() -> None:
     block, rows = np.zeros((4, _COLS), np.float32), np.arange(2)  # changes, row by row
     row_kernels.add_indexed(block, rows, np.array([0, -1]), np.ones((3, _COLS), np.float32), 0)
     row_kernels.copy_rows(block, rows, np.ones((2, _COLS), np.float32))  # rows replaced
+    assert isinstance(delta, DeltaCodec)  # changes added as coded (read/changes.py)
+    (entries,), parts = delta.row_entries([encoded])
+    table = delta.kernel_parts(parts, _COLS)
+    assert table is not None  # an adaptive inner codec: decoded as added
+    delta_kernels.add_coded(
+        block, rows, entries.keys[:2], entries.offsets[:2], entries.data, table, _COLS, 0
+    )
 
 
 def compile_kmeans_and_huffman() -> None:

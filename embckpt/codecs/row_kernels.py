@@ -60,6 +60,18 @@ def add_rows(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
             out[row, j] += values[i, j]
 
 
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def add_zero_change(row: np.ndarray) -> None:
+    """``row += 0.0`` as the dense addition makes it: x + 0.0 is x for every finite x but
+    -0.0, which becomes +0.0 (rows are finite: the codecs refuse others). Only zeros are
+    written, so a row without one is read, not dirtied (30% faster on 128k rows of a 10M-row
+    block)."""
+    zero = np.float32(0.0)
+    for j in range(row.shape[0]):
+        if row[j] == zero:
+            row[j] += zero
+
+
 def _indexed(out: types.Array, values: types.Array) -> Signature:
     """``add_indexed``'s signature for a layout of its block and values."""
     return types.void(
@@ -99,7 +111,6 @@ def add_indexed(
     or, where ``index[k]`` < 0, a zero change: a -0.0 becomes +0.0, every other value stays,
     as the dense addition makes it. A row ``dest`` holds twice gets its additions in the
     order given."""
-    zero = np.float32(0.0)
     width = out.shape[1]
     n = dest.shape[0]
     for k in range(n):
@@ -108,12 +119,7 @@ def add_indexed(
         row = out[dest[k]]
         i = index[k]
         if i < 0:
-            # x + 0.0 is x for every finite x but -0.0 (rows are finite: the codecs refuse
-            # others): only zeros are written, and a row without one is read, not dirtied
-            # (30% faster on 128k rows of a 10M-row block).
-            for j in range(width):
-                if row[j] == zero:
-                    row[j] += zero
+            add_zero_change(row)
         else:
             # Through a slice: indexed as ``values[i, col_lo + j]``, an index numba cannot
             # prove non-negative, the loop took a wraparound test per value and did not

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -383,12 +384,22 @@ class UniformCodec(StagedCodec):
         self._decode(encoded, num_cols, out)
         return True
 
+    def fused_layout(self, metadata: Mapping[str, Any], num_cols: int) -> tuple[bool, int] | None:
+        """Whether a batch with ``metadata`` has fp16 parameters, and the bytes of its fused
+        rows, where the compiled kernels decode its rows one by one
+        (as ``delta_kernels.add_coded`` does, through ``uniform_kernels``' row loops); None where
+        only :meth:`decode` can (the kernels off, or a subclass decoding otherwise).
+
+        Raises:
+            CodecError: an unknown ``param_dtype``.
+        """
+        if not COMPILED or type(self).decode is not UniformCodec.decode:
+            return None
+        half = _param_dtype(metadata) == np.float16
+        return half, packed_width(num_cols, self.bits) + self._param_bytes(half)
+
     def _decode(self, encoded: EncodedRows, num_cols: int, out: np.ndarray | None) -> torch.Tensor:
-        dtype = {"float16": np.float16, "float32": np.float32}.get(
-            str(encoded.metadata.get("param_dtype", "float16"))
-        )
-        if dtype is None:
-            raise CodecError(f"unknown param_dtype {encoded.metadata.get('param_dtype')!r}")
+        dtype = _param_dtype(encoded.metadata)
         width = packed_width(num_cols, self.bits)
         fused = self._payload_bytes(encoded, width + self._param_bytes(dtype == np.float16))
         # The symmetric grid's offset is a power-of-two multiple of its scale: exact in the
@@ -396,6 +407,16 @@ class UniformCodec(StagedCodec):
         return dequantize_fused(
             fused, self.bits, num_cols, dtype, implied_bias=not self.bias_stored, out=out
         )
+
+
+def _param_dtype(metadata: Mapping[str, Any]) -> type:
+    """The parameters' dtype a batch's metadata names (fp16 where it names none)."""
+    dtype = {"float16": np.float16, "float32": np.float32}.get(
+        str(metadata.get("param_dtype", "float16"))
+    )
+    if dtype is None:
+        raise CodecError(f"unknown param_dtype {metadata.get('param_dtype')!r}")
+    return dtype
 
 
 def _join(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

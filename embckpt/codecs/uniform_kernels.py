@@ -175,37 +175,37 @@ def pack_row(codes: np.ndarray, cols: int, bits: int, out: np.ndarray, r: int) -
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _word(fused: np.ndarray, r: int, at: int) -> np.uint32:
-    """The little-endian 32-bit word at ``fused[r, at:at + 4]``."""
+def word_at(row: np.ndarray, at: int) -> np.uint32:
+    """The little-endian 32-bit word at ``row[at:at + 4]`` (``row``: bytes, 1-D)."""
     return (
-        _U32(fused[r, at])
-        | (_U32(fused[r, at + 1]) << _U32(8))
-        | (_U32(fused[r, at + 2]) << _U32(16))
-        | (_U32(fused[r, at + 3]) << _U32(24))
+        _U32(row[at])
+        | (_U32(row[at + 1]) << _U32(8))
+        | (_U32(row[at + 2]) << _U32(16))
+        | (_U32(row[at + 3]) << _U32(24))
     )
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _half_word(fused: np.ndarray, r: int, at: int) -> np.uint32:
-    """The little-endian 16-bit word at ``fused[r, at:at + 2]``."""
-    return _U32(fused[r, at]) | (_U32(fused[r, at + 1]) << _U32(8))
+def _half_word(row: np.ndarray, at: int) -> np.uint32:
+    """The little-endian 16-bit word at ``row[at:at + 2]``."""
+    return _U32(row[at]) | (_U32(row[at + 1]) << _U32(8))
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _params(
-    fused: np.ndarray, r: int, at: int, bits: int, half: bool, bias_stored: bool
+def params_of(
+    row: np.ndarray, at: int, bits: int, half: bool, bias_stored: bool
 ) -> tuple[np.float64, np.float64]:
-    """Row ``r``'s scale and bias from its fused bytes at ``at`` (fp16 when ``half``, else
-    fp32; without a stored bias, the symmetric grid's ``-2**(bits-1) * scale``)."""
+    """A fused row's scale and bias from its bytes at ``at`` (fp16 when ``half``, else fp32;
+    without a stored bias, the symmetric grid's ``-2**(bits-1) * scale``)."""
     if half:
-        scale = np.float64(half_value(_half_word(fused, r, at)))
+        scale = np.float64(half_value(_half_word(row, at)))
         if not bias_stored:
             return scale, -np.float64(1 << (bits - 1)) * scale
-        return scale, np.float64(half_value(_half_word(fused, r, at + 2)))
-    scale = np.float64(bits_f32(_word(fused, r, at)))
+        return scale, np.float64(half_value(_half_word(row, at + 2)))
+    scale = np.float64(bits_f32(word_at(row, at)))
     if not bias_stored:
         return scale, -np.float64(1 << (bits - 1)) * scale
-    return scale, np.float64(bits_f32(_word(fused, r, at + 4)))
+    return scale, np.float64(bits_f32(word_at(row, at + 4)))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -224,131 +224,174 @@ def dequantize(
     strided copies and casts that took most of a 4-bit full's decode (10.2M rows of 16
     columns: 160 of 440 ms on a rank).
 
-    2 and 4 bits, the defaults, take loops of their own over whole bytes, the width and
-    ``wide`` fixed outside them, which the compiler vectorises: measured 3x faster for 4-bit
-    rows of 128 columns (0.70 to 0.23 ns a value), 2.3x for 16, the same values bit for bit.
-    They stay two near-copies on purpose: one loop taking the width as an argument measured
-    3-4x slower than either (the codes per byte are then unknown to the compiler).
+    Each width has a loop over rows of its own, the width and ``wide`` fixed outside the
+    row's loop over codes, which the compiler vectorises for 2 and 4 bits, the defaults:
+    measured 3x faster for 4-bit rows of 128 columns (0.70 to 0.23 ns a value), 2.3x for 16,
+    the same values bit for bit. One loop taking the width as an argument measured 3-4x
+    slower (the codes per byte are then unknown to the compiler).
     """
     at = (cols * bits + 7) // 8
     if bits == 4:
-        _decode_fours(fused, cols, at, half, bias_stored, out)
-        return
-    if bits == 2:
-        _decode_twos(fused, cols, at, half, bias_stored, out)
-        return
-    wide = not half
-    mask = (1 << bits) - 1
-    for r in range(fused.shape[0]):
-        s64, b64 = _params(fused, r, at, bits, half, bias_stored)
-        s32 = _F32(s64)
-        b32 = _F32(b64)
-        if bits == 3:
-            _decode_threes(fused, r, cols, s64, b64, s32, b32, wide, out)
-            continue
-        for j in range(cols):
-            if bits == 8:
-                q = np.int64(fused[r, j])
-            else:
-                bit = j * bits
-                byte = bit >> 3
-                shift = bit & 7
-                q = np.int64(fused[r, byte]) >> shift
-                if shift + bits > 8:
-                    q |= np.int64(fused[r, byte + 1]) << (8 - shift)
-                q &= mask
-            if wide:
-                out[r, j] = _F32(np.float64(q) * s64 + b64)
-            else:
-                out[r, j] = _F32(q) * s32 + b32
+        _rows_of_four(fused, cols, at, not half, bias_stored, out)
+    elif bits == 2:
+        _rows_of_two(fused, cols, at, not half, bias_stored, out)
+    elif bits == 3:
+        _rows_of_three(fused, cols, at, not half, bias_stored, out)
+    else:
+        for r in range(fused.shape[0]):
+            row = fused[r]
+            s64, b64 = params_of(row, at, bits, half, bias_stored)
+            any_width(row, bits, cols, s64, b64, not half, out[r])
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _decode_threes(
-    fused: np.ndarray,
-    r: int,
+def _rows_of_four(
+    fused: np.ndarray, cols: int, at: int, wide: bool, bias_stored: bool, out: np.ndarray
+) -> None:
+    for r in range(fused.shape[0]):
+        row = fused[r]
+        s64, b64 = params_of(row, at, 4, not wide, bias_stored)
+        fours(row, cols, s64, b64, wide, out[r])
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _rows_of_two(
+    fused: np.ndarray, cols: int, at: int, wide: bool, bias_stored: bool, out: np.ndarray
+) -> None:
+    for r in range(fused.shape[0]):
+        row = fused[r]
+        s64, b64 = params_of(row, at, 2, not wide, bias_stored)
+        twos(row, cols, s64, b64, wide, out[r])
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _rows_of_three(
+    fused: np.ndarray, cols: int, at: int, wide: bool, bias_stored: bool, out: np.ndarray
+) -> None:
+    for r in range(fused.shape[0]):
+        row = fused[r]
+        s64, b64 = params_of(row, at, 3, not wide, bias_stored)
+        threes(row, cols, s64, b64, wide, out[r])
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def any_width(
+    row: np.ndarray,
+    bits: int,
     cols: int,
     s64: np.float64,
     b64: np.float64,
-    s32: np.float32,
-    b32: np.float32,
     wide: bool,
     out: np.ndarray,
 ) -> None:
-    """:func:`dequantize` of one row of 3-bit codes, eight at a time."""
+    """A row of codes of any width up to 8 bits, one code at a time."""
+    s32, b32 = _F32(s64), _F32(b64)
+    mask = (1 << bits) - 1
+    for j in range(cols):
+        if bits == 8:
+            q = np.int64(row[j])
+        else:
+            bit = j * bits
+            byte = bit >> 3
+            shift = bit & 7
+            q = np.int64(row[byte]) >> shift
+            if shift + bits > 8:
+                q |= np.int64(row[byte + 1]) << (8 - shift)
+            q &= mask
+        if wide:
+            out[j] = _F32(np.float64(q) * s64 + b64)
+        else:
+            out[j] = _F32(q) * s32 + b32
+
+
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def threes(
+    row: np.ndarray,
+    cols: int,
+    s64: np.float64,
+    b64: np.float64,
+    wide: bool,
+    out: np.ndarray,
+) -> None:
+    """A row of 3-bit codes, eight at a time."""
+    s32, b32 = _F32(s64), _F32(b64)
     whole = cols // 8
     for g in range(whole):
         # Three bytes hold eight 3-bit codes.
         word = (
-            np.int64(fused[r, 3 * g])
-            | (np.int64(fused[r, 3 * g + 1]) << 8)
-            | (np.int64(fused[r, 3 * g + 2]) << 16)
+            np.int64(row[3 * g])
+            | (np.int64(row[3 * g + 1]) << 8)
+            | (np.int64(row[3 * g + 2]) << 16)
         )
         for i in range(8):
             q = (word >> (3 * i)) & 7
             if wide:
-                out[r, 8 * g + i] = _F32(np.float64(q) * s64 + b64)
+                out[8 * g + i] = _F32(np.float64(q) * s64 + b64)
             else:
-                out[r, 8 * g + i] = _F32(q) * s32 + b32
+                out[8 * g + i] = _F32(q) * s32 + b32
     for j in range(8 * whole, cols):
         at = 3 * j
-        q = np.int64(fused[r, at >> 3]) >> (at & 7)
+        q = np.int64(row[at >> 3]) >> (at & 7)
         if (at & 7) > 5:
-            q |= np.int64(fused[r, (at >> 3) + 1]) << (8 - (at & 7))
+            q |= np.int64(row[(at >> 3) + 1]) << (8 - (at & 7))
         q &= 7
         if wide:
-            out[r, j] = _F32(np.float64(q) * s64 + b64)
+            out[j] = _F32(np.float64(q) * s64 + b64)
         else:
-            out[r, j] = _F32(q) * s32 + b32
+            out[j] = _F32(q) * s32 + b32
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def _decode_fours(
-    fused: np.ndarray, cols: int, at: int, half: bool, bias_stored: bool, out: np.ndarray
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def fours(
+    row: np.ndarray,
+    cols: int,
+    s64: np.float64,
+    b64: np.float64,
+    wide: bool,
+    out: np.ndarray,
 ) -> None:
-    """:func:`dequantize` of 4-bit codes, two a byte (low nibble first)."""
+    """A row of 4-bit codes, two a byte (low nibble first)."""
+    s32, b32 = _F32(s64), _F32(b64)
     pairs = cols // 2
-    wide = not half
-    for r in range(fused.shape[0]):
-        s64, b64 = _params(fused, r, at, 4, half, bias_stored)
-        s32, b32 = _F32(s64), _F32(b64)
-        if wide:
-            for k in range(pairs):
-                byte = fused[r, k]
-                out[r, 2 * k] = _F32(np.float64(byte & 15) * s64 + b64)
-                out[r, 2 * k + 1] = _F32(np.float64(byte >> 4) * s64 + b64)
-        else:
-            for k in range(pairs):
-                byte = fused[r, k]
-                out[r, 2 * k] = _F32(byte & 15) * s32 + b32
-                out[r, 2 * k + 1] = _F32(byte >> 4) * s32 + b32
-        if cols & 1:
-            q = fused[r, pairs] & 15
-            out[r, cols - 1] = _F32(np.float64(q) * s64 + b64) if wide else _F32(q) * s32 + b32
+    if wide:
+        for k in range(pairs):
+            byte = row[k]
+            out[2 * k] = _F32(np.float64(byte & 15) * s64 + b64)
+            out[2 * k + 1] = _F32(np.float64(byte >> 4) * s64 + b64)
+    else:
+        for k in range(pairs):
+            byte = row[k]
+            out[2 * k] = _F32(byte & 15) * s32 + b32
+            out[2 * k + 1] = _F32(byte >> 4) * s32 + b32
+    if cols & 1:
+        q = row[pairs] & 15
+        out[cols - 1] = _F32(np.float64(q) * s64 + b64) if wide else _F32(q) * s32 + b32
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def _decode_twos(
-    fused: np.ndarray, cols: int, at: int, half: bool, bias_stored: bool, out: np.ndarray
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def twos(
+    row: np.ndarray,
+    cols: int,
+    s64: np.float64,
+    b64: np.float64,
+    wide: bool,
+    out: np.ndarray,
 ) -> None:
-    """:func:`dequantize` of 2-bit codes, four a byte (lowest bits first)."""
+    """A row of 2-bit codes, four a byte (lowest bits first)."""
+    s32, b32 = _F32(s64), _F32(b64)
     quads = cols // 4
-    wide = not half
-    for r in range(fused.shape[0]):
-        s64, b64 = _params(fused, r, at, 2, half, bias_stored)
-        s32, b32 = _F32(s64), _F32(b64)
-        if wide:
-            for k in range(quads):
-                byte = fused[r, k]
-                for i in range(4):
-                    q = (byte >> (2 * i)) & 3
-                    out[r, 4 * k + i] = _F32(np.float64(q) * s64 + b64)
-        else:
-            for k in range(quads):
-                byte = fused[r, k]
-                for i in range(4):
-                    q = (byte >> (2 * i)) & 3
-                    out[r, 4 * k + i] = _F32(q) * s32 + b32
-        for j in range(4 * quads, cols):
-            q = (fused[r, j >> 2] >> ((j & 3) * 2)) & 3
-            out[r, j] = _F32(np.float64(q) * s64 + b64) if wide else _F32(q) * s32 + b32
+    if wide:
+        for k in range(quads):
+            byte = row[k]
+            for i in range(4):
+                q = (byte >> (2 * i)) & 3
+                out[4 * k + i] = _F32(np.float64(q) * s64 + b64)
+    else:
+        for k in range(quads):
+            byte = row[k]
+            for i in range(4):
+                q = (byte >> (2 * i)) & 3
+                out[4 * k + i] = _F32(q) * s32 + b32
+    for j in range(4 * quads, cols):
+        q = (row[j >> 2] >> ((j & 3) * 2)) & 3
+        out[j] = _F32(np.float64(q) * s64 + b64) if wide else _F32(q) * s32 + b32
