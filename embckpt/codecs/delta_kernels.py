@@ -6,15 +6,16 @@ Why: decoding a file's rows first (each width's entries gathered into an array o
 decoded into a float32 array, then added through an index) wrote and read every change twice
 more than adding it does. Measured on the 2-core machine of ``benchmarks/results/``, the delta
 rows of rank 0's packed diff in chains of ``benchmarks/family.py``'s models, decoded and added
-(read/changes.py, best of 30): 50,764 rows of 16 columns in blocks of 5.1M rows (its 10.2M-row
-model) in 3.8 ms decoded first, 2.1 ms here; 6,206 rows of 128 columns (its dim128 model) in
-1.5 ms and 0.6 ms.
+(read/changes.py): 50,764 rows of 16 columns into cold rows of a 10.2M-row block (its
+10.2M-row model; best of 20) in 2.7-3.0 ms against 4.4-4.6 ms decoded first; 6,206 rows of 128
+columns (its dim128 model, warm; best of 30) in 0.6 ms against 1.5 ms.
 
 The rows are taken width by width, each width's loop compiled on its own (as
 ``uniform_kernels.dequantize`` decodes): one loop over the rows choosing each one's width
-measured 5-8x slower, the compiler vectorising none of the widths' loops inside it. Unlike
-``row_kernels``' loops, these do not prefetch the rows ahead: asking for them made the 16-column
-case 3x slower (5.1 against 1.7 ms for the kernel alone).
+measured 5-8x slower, the compiler vectorising none of the widths' loops inside it; hence the
+four near-copies below. A prefetch of each row ahead inside those loops made them 3x slower
+too, so the block rows of the next ``AHEAD`` rows are asked for by a loop of their own (the
+16-column case, cold: 2.7-3.0 ms against 3.6-3.9 ms without any prefetch).
 
 Exactness: each value is decoded by the same loops as ``uniform_kernels.dequantize`` and added
 as ``row_kernels.add_indexed`` adds it, so the block gets the same bits.
