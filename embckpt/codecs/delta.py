@@ -319,7 +319,12 @@ class DeltaCodec(Codec):
         Raises:
             CodecError: a payload that is not a binary column, or a row matching no width.
         """
-        entries, parts = self.row_entries(items)
+        return self.groups_of(*self.row_entries(items))
+
+    def groups_of(
+        self, entries: Sequence[RowEntries], parts: Sequence[tuple[int, int, Mapping[str, Any]]]
+    ) -> tuple[list[int], list[WidthGroup]]:
+        """:meth:`width_groups` of batches whose entries :meth:`row_entries` gave."""
         sizes = [len(e.keys) for e in entries]
         if not sum(sizes):
             return sizes, []

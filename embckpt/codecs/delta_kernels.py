@@ -71,6 +71,7 @@ def _add(row: np.ndarray, change: np.ndarray, col_lo: int) -> None:
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _add_zeros(out: np.ndarray, dest: np.ndarray, kinds: np.ndarray) -> None:
+    """The zero changes (kind -1)."""
     for k in range(dest.shape[0]):
         if kinds[k] < 0:
             add_zero_change(out[dest[k]])
@@ -112,6 +113,7 @@ def _add_fours(
     bias: bool,
     change: np.ndarray,
 ) -> None:
+    """Changes of kind ``kind``: 4-bit codes."""
     at = (cols * 4 + 7) // 8
     for k in range(dest.shape[0]):
         if k % AHEAD == 0:
@@ -138,6 +140,7 @@ def _add_twos(
     bias: bool,
     change: np.ndarray,
 ) -> None:
+    """Changes of kind ``kind``: 2-bit codes."""
     at = (cols * 2 + 7) // 8
     for k in range(dest.shape[0]):
         if k % AHEAD == 0:
@@ -164,6 +167,7 @@ def _add_threes(
     bias: bool,
     change: np.ndarray,
 ) -> None:
+    """Changes of kind ``kind``: 3-bit codes."""
     at = (cols * 3 + 7) // 8
     for k in range(dest.shape[0]):
         if k % AHEAD == 0:
@@ -191,6 +195,7 @@ def _add_any(
     bias: bool,
     change: np.ndarray,
 ) -> None:
+    """Changes of kind ``kind``: codes of any other width (8 bits)."""
     at = (cols * bits + 7) // 8
     for k in range(dest.shape[0]):
         if k % AHEAD == 0:

@@ -85,7 +85,7 @@ def decode_changes(codec: DeltaCodec, items: Sequence[EncodedRows], cols: int) -
             Changes(e.keys, coded=CodedEntries(e.offsets[:-1], e.data, table, cols))
             for e in entries
         ]
-    sizes, groups = codec.width_groups(items)
+    sizes, groups = codec.groups_of(entries, parts)
     index = np.full(sum(sizes), -1, dtype=np.int64)
     values = np.empty((sum(len(g.rows) for g in groups), cols), dtype=np.float32)
     at = 0
