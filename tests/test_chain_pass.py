@@ -416,7 +416,6 @@ def _delta_items(
 ) -> tuple[Codec, list]:
     """A delta codec (of ``inner``, else INNER with fp32 parameters) and batches of its
     changes at every width (2 to 8 bits, raw, zero)."""
-
     delta = make_codec("delta", {"inner": inner or {**INNER, "param_dtype": "float32"}})
     assert isinstance(delta, DeltaCodec)
     items = []
