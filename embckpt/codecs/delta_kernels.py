@@ -8,14 +8,16 @@ more than adding it does. Measured on the 2-core machine of ``benchmarks/results
 rows of rank 0's packed diff in chains of ``benchmarks/family.py``'s models, decoded and added
 (read/changes.py): 50,764 rows of 16 columns into cold rows of a 10.2M-row block (its
 10.2M-row model; best of 20) in 2.7-3.0 ms against 4.4-4.6 ms decoded first; 6,206 rows of 128
-columns (its dim128 model, warm; best of 30) in 0.6 ms against 1.5 ms.
+columns (its dim128 model, warm; best of 30) in 0.6-0.7 ms against 1.5 ms.
 
 The rows are taken width by width, each width's loop compiled on its own (as
 ``uniform_kernels.dequantize`` decodes): one loop over the rows choosing each one's width
-measured 5-8x slower, the compiler vectorising none of the widths' loops inside it; hence the
-four near-copies below. A prefetch of each row ahead inside those loops made them 3x slower
-too, so the block rows of the next ``AHEAD`` rows are asked for by a loop of their own (the
-16-column case, cold: 2.7-3.0 ms against 3.6-3.9 ms without any prefetch).
+measured 5-8x slower, the compiler vectorising none of the widths' loops inside it, and one
+function taking the width as a compile-time literal (``numba.literally``, a version compiled per
+width) 2.4x slower; hence the four near-copies below. A prefetch of each row ahead inside those
+loops made them 2-3x slower too, so the block rows of the next ``AHEAD`` rows are asked for by
+a loop of their own (the 16-column case, cold: 2.7-3.0 ms against 3.6-3.9 ms without any
+prefetch).
 
 Exactness: each value is decoded by the same loops as ``uniform_kernels.dequantize`` and added
 as ``row_kernels.add_indexed`` adds it, so the block gets the same bits.
@@ -54,7 +56,7 @@ AHEAD = 16
 def _ask(out: np.ndarray, dest: np.ndarray, kinds: np.ndarray, kind: int, k: int) -> None:
     """Asks the cache for the block rows of ``kind`` among ``dest[k:k + AHEAD]``: in a loop
     (and a function) of its own, since a prefetch inside the loops that decode left them
-    3x slower (it kept the compiler from vectorising them)."""
+    2-3x slower (it kept the compiler from vectorising them)."""
     for i in range(k, min(k + AHEAD, dest.shape[0])):
         if kinds[i] == kind:
             prefetch_row(out, dest[i])
