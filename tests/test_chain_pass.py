@@ -243,25 +243,32 @@ def test_restore_threads_take_the_cores_the_other_ranks_leave_idle(
     assert balanced_restore_threads(100, [100, 100, 100]) == 2  # the rank's share
     assert balanced_restore_threads(100, [0, 0, 50]) == 4  # at most twice the share
 
-    class TwoRanks:  # rank 0 of 2; the other rank plans ``other`` bytes
-        rank, world_size = 0, 2
+    from embckpt.read.restore import host_work
+    from embckpt.storage.manifest_types import PartEntry
 
-        def __init__(self, other: float) -> None:
-            self.other, self.calls = other, 0
+    def link(world_size: int, wrote: list[int]) -> SimpleNamespace:  # a manifest's fields
+        parts = tuple(PartEntry(r, 0, "", 0, "", n, 0) for r, n in enumerate(wrote))
+        return SimpleNamespace(world_size=world_size, parts=parts, total_bytes=sum(wrote))
 
-        def all_sum(self, values: list[float]) -> list[float]:
-            self.calls += 1
-            return [values[0], self.other]
+    chain = [link(2, [900, 10]), link(2, [100, 0])]
+    assert host_work(chain, 0, 2, 2, planned=5) == (1000, [10])  # what each rank wrote
+    assert host_work(chain, 1, 2, 2, planned=5) == (10, [1000])
+    assert host_work(chain, 0, 2, 1, planned=5) == (1000, [])  # one rank per host
+    # Onto another world size: this rank's plan, and an even share of the rest for the others.
+    assert host_work(chain, 1, 4, 2, planned=210) == (210, [800 / 3])
+    assert host_work(chain, 3, 4, 4, planned=10) == (10, [1000 / 3] * 3)
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     local, remote = SimpleNamespace(is_local=True), SimpleNamespace(is_local=False)
-    comm = TwoRanks(other=10)
-    assert _threads(SimpleNamespace(comm=comm, store=local, threads=None), 1000) == 2
-    assert _threads(SimpleNamespace(comm=TwoRanks(1000), store=local, threads=None), 1000) == 1
-    assert _threads(SimpleNamespace(comm=TwoRanks(1000), store=remote, threads=None), 1) == 2
-    asked = SimpleNamespace(comm=comm, store=local, threads=5)
-    assert _threads(asked, 1000) == 5 and comm.calls == 2  # asked for, yet exchanged by all
+    ranks = [SimpleNamespace(rank=r, world_size=2) for r in range(2)]
+    skewed = [link(2, [1000, 10])]
+    assert _threads(SimpleNamespace(comm=ranks[0], store=local, threads=None), 0, skewed) == 2
+    assert _threads(SimpleNamespace(comm=ranks[1], store=local, threads=None), 0, skewed) == 1
+    even = [link(2, [1000, 1000])]
+    assert _threads(SimpleNamespace(comm=ranks[0], store=local, threads=None), 0, even) == 1
+    assert _threads(SimpleNamespace(comm=ranks[0], store=remote, threads=None), 0, even) == 2
+    assert _threads(SimpleNamespace(comm=ranks[0], store=local, threads=5), 0, even) == 5
 
 
 def test_needed_bytes_and_membership_equal_their_per_row_definitions() -> None:

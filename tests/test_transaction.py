@@ -1,6 +1,7 @@
 """A save is a transaction (2 gloo ranks): a failure on one rank, in any phase, raises an embckpt
 error on every rank and changes nothing a later save or restore reads; the writer's reference,
-tracker bits and interval come back as they were, and training goes on."""
+tracker bits and interval come back as they were, and training goes on. A restore that fails
+on one rank leaves every rank's model, optimizer, RNG and statefuls as they were."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def _weights_match(reconstruction: dict, live: dict) -> bool:
 
 
 def _scenarios(rank: int, world_size: int, root: str) -> dict:
+    import torch
+
     from embckpt import CheckpointConfig, Checkpointer, failpoints
 
     out: dict = {}
@@ -145,8 +148,43 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         tm.train_step(model, opt, 25, rank, hot=60)
         out["after_failed_restore"] = ckpt.save(25).wait().kind
         out["restored"] = ckpt.restore()
+    # 7. A restore that fails while reading on rank 1 leaves rank 0's dense state, optimizer,
+    # RNG and statefuls as they were, although rank 0 loaded its side state before the ranks
+    # agreed (restore.py); training goes on.
+    counter = _Counter()
+    config = CheckpointConfig(policy="one_shot", full_every=0)
+    with Checkpointer(
+        model, f"{root}/side", optimizer=opt, config=config, statefuls={"counter": counter}
+    ) as ckpt:
+        ckpt.save(26).wait()
+        tm.train_step(model, opt, 27, rank, hot=60)
+        counter.seen = 5
+        torch.manual_seed(1234 + rank)
+        before, rng = tm.snapshot_state(model, opt, rank), torch.get_rng_state()
+        if rank == 1:
+            failpoints.arm("restore.fetch")
+        out["side_error"] = tm.raised(lambda: ckpt.restore(26))
+        out["side_kept"] = tm.differences(before, tm.snapshot_state(model, opt, rank))
+        out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
+        out["counter"] = (counter.seen, counter.loads)
+        tm.train_step(model, opt, 28, rank, hot=60)
+        out["after_failed_side"] = ckpt.save(28).wait().kind
+        out["side_restored"] = (ckpt.restore(26), counter.seen)
     out["armed"] = failpoints.armed()
     return out
+
+
+class _Counter:
+    """A stateful that counts its loads."""
+
+    def __init__(self) -> None:
+        self.seen, self.loads = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.loads = state["seen"], self.loads + 1
 
 
 def test_failures_roll_back_on_every_rank_and_training_goes_on() -> None:
@@ -192,6 +230,13 @@ def test_failures_roll_back_on_every_rank_and_training_goes_on() -> None:
         assert out["restore_error"].startswith(kind), (where, out["restore_error"])
         assert "restore.apply" in out["restore_error"], where
         assert out["after_failed_restore"] == "full" and out["restored"] == 25, where
+        kind = "RestoreError" if rank == 1 else "RestoreRankError"
+        assert out["side_error"].startswith(kind), (where, out["side_error"])
+        assert "restore.fetch" in out["side_error"], where
+        assert out["side_kept"] == [] and out["rng_kept"], (where, out["side_kept"])
+        # Rank 0 loaded the saved count, then put its own back; rank 1 loaded nothing.
+        assert out["counter"] == (5, 2 if rank == 0 else 0), where
+        assert out["after_failed_side"] == "full" and out["side_restored"] == (26, 0), where
         assert out["armed"] == (), where
 
 

@@ -8,18 +8,22 @@ The flow, in the phases ``RestoreResult.phases`` times (every rank, together):
              own checksum; a missing link is named with what needs it), checks that the
              model's tables (names, shapes, dtypes) equal the checkpoint's, and lists the
              files and row groups its own blocks overlap (``plan.py``). Only the reader's own
-             plan is needed: files are addressed by global rows and columns; the ranks then
-             sum their planned bytes, from which each picks its threads (``_threads``);
+             plan is needed: files are addressed by global rows and columns. Each rank picks
+             its threads from what it and the other ranks of its host restore, as the
+             manifests tell it (``_threads``: no collective);
 2. fetch   - each rank's threads fetch those row groups, newest checkpoint first, skipping what
              newer checkpoints already give (``stage.py``); the dense and per-rank files are
              read whole;
-3. verify  - every fetched byte against the manifest's checksums. Then the ranks agree: any
-             failure so far raises on every rank before anything is loaded, so a failed
-             restore never leaves a half-loaded model;
+3. verify  - every fetched byte against the manifest's checksums. On the world size that
+             wrote the checkpoint, each rank then loads its dense state, RNG and stateful
+             objects (:mod:`embckpt.read.side_state`), keeping what they held. Then the ranks
+             agree: any failure so far raises on every rank, each rank putting back what it
+             loaded, so a failed restore never leaves a half-loaded model (onto another world
+             size, rank 0's statefuls are shared after this agreement, then loaded, and the
+             ranks agree on that);
 4. decode  - the codecs named in each file decode bounded batches (``apply.py``);
-5. apply   - the dense state, RNG and stateful objects first (:mod:`embckpt.read.side_state`),
-             then FBGEMM's row caches flushed and emptied (:mod:`embckpt.kernel_cache`) and
-             the rows written into this rank's blocks (additive codecs add, in chain order); the
+5. apply   - FBGEMM's row caches flushed and emptied (:mod:`embckpt.kernel_cache`) and the
+             rows written into this rank's blocks (additive codecs add, in chain order); the
              ranks agree once more. The result lists the rows the chain's diffs changed; the
              caller (``Checkpointer``) rebuilds its tracker from it.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +71,14 @@ from embckpt.read.cells import listed
 from embckpt.read.heap import trim_heap
 from embckpt.read.plan import FileRead, plan_reads, writer_ranks
 from embckpt.read.side_state import (
+    PriorState,
     SideState,
     apply_side_state,
+    load_side_state,
     read_side_state,
+    roll_back_side_state,
     share_side_state,
+    shared_by_rank0,
 )
 from embckpt.read.stage import ReadCost, StagedFile, release, stage
 from embckpt.read.target import RestoreTarget
@@ -141,7 +150,8 @@ class RestoreResult:
         manifest: the restored checkpoint's manifest.
         chain: the steps applied, base first.
         cost: what this rank read.
-        seconds: wall time of the whole restore; ``stage_seconds`` of plan + stage + agree.
+        seconds: wall time of the whole restore; ``stage_seconds`` of plan + stage + agree
+            (with the side state loaded, on the world size that wrote the checkpoint).
         phases: busy seconds of this rank's plan, fetch, verify, decode and apply, each summed
             over the threads that worked in it (see ``PhaseClock``); ``plan`` includes reading
             the chain's manifests.
@@ -255,10 +265,10 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
     except Exception as exc:  # gathered below so that every rank raises
         error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
     total = sum(r.planned_bytes for r in reads)
-    with clock.time("plan"):  # every rank, whatever failed: a collective
-        threads = _threads(into, total)
+    threads = 1
     try:
         if error is None:
+            threads = _threads(into, total, chain)
             show = comm.rank == 0 and (
                 progress if progress is not None else total >= PROGRESS_MIN_BYTES and _tty()
             )
@@ -271,20 +281,33 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
             cost.other_bytes += side.bytes_read
     except Exception as exc:  # gathered below so that every rank raises
         error = as_error(RestoreError, exc, f"step {target}: rank {comm.rank}: reading failed")
+    # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
+    # on failure; the rows, verified and matched already, are applied last. On the world size
+    # that wrote it, each rank loads its own before the ranks agree, and puts it back if any
+    # rank failed: one agreement for both, not one each (each cost 1-2 ms by median on the
+    # 2-core machine of benchmarks/results/), and a rank loads it while another still reads.
+    prior: PriorState | None = None
+    if error is None and side is not None and not shared_by_rank0(into, side):
+        try:
+            prior = load_side_state(into, side)
+        except Exception as exc:  # its own error, as a failure of the dense state raises
+            error = exc
     try:
         comm.check(error, what, RestoreRankError)
         assert side is not None  # read above, or every rank raised
-        share_side_state(into, side)
+        if prior is None:  # onto another world size: rank 0's statefuls, then loaded
+            share_side_state(into, side)
+            apply_side_state(into, side)
     except BaseException:
+        if prior is not None:
+            roll_back_side_state(into, prior)
         release([file for files in staged for file in files])
         raise
+    del prior  # its copies of the dense state, not held while the rows are applied
     stage_seconds = time.perf_counter() - started
 
-    # The side state first: it runs user code (statefuls) and optimizer loading, and rolls back
-    # on failure; the rows, verified and matched already, are applied last. A failure while
-    # applying them (after every byte verified: a bug, or memory) leaves the model partly
-    # loaded, raises on every rank, and the Checkpointer's next save is a full.
-    apply_side_state(into, side)
+    # A failure while applying the rows (after every byte verified: a bug, or memory) leaves
+    # the model partly loaded, raises on every rank, and the Checkpointer's next save is a full.
     written = []
     try:
         failpoints.hit("restore.apply")
@@ -342,27 +365,43 @@ def _share_choice(
     return (int(sent) if found else None), None, None
 
 
-def _threads(into: RestoreTarget, planned: int) -> int:
-    """This rank's reader threads: as asked (``RestoreTarget.threads``), else from every rank's
-    ``planned`` bytes, which the ranks exchange (a collective, made whatever was asked, so that
-    every rank makes it): the rank's share of the cores plus what the ranks of its host leave
-    idle (``cores.balanced_restore_threads``); from a store that is not a local disk, where
-    threads wait on the network, :func:`~embckpt.cores.restore_threads`."""
-    comm = into.comm
-    mine = [0.0] * comm.world_size
-    mine[comm.rank] = float(planned)
-    try:
-        every = comm.all_sum(mine)
-    except RankError as exc:
-        raise RestoreRankError(f"sharing the planned bytes: {exc}") from exc
+def _threads(into: RestoreTarget, planned: int, chain: list[Manifest]) -> int:
+    """This rank's reader threads: as asked (``RestoreTarget.threads``), else its share of the
+    cores plus what the other ranks of its host leave idle while it restores more than they do
+    (``cores.balanced_restore_threads``, fed by :func:`host_work`); from a store that is not a
+    local disk, where threads wait on the network, :func:`~embckpt.cores.restore_threads`.
+
+    Why not exchange the planned bytes: one collective more in every restore, each cost 1-2 ms
+    by median on the 2-core machine of ``benchmarks/results/`` (2 gloo ranks; a 4-bit full of
+    ``benchmarks/family.py``'s dim128 model restored in 28.6 ms by median without it, 30.7 ms
+    with it, interleaved in the training processes), and the manifests tell what each writer
+    rank wrote."""
     if into.threads is not None:
         return into.threads
     if not into.store.is_local:
         return restore_threads()
-    host = local_ranks()
-    first = comm.rank - comm.rank % host
-    others = [every[r] for r in range(first, min(first + host, comm.world_size)) if r != comm.rank]
-    return balanced_restore_threads(float(planned), others)
+    mine, others = host_work(chain, into.comm.rank, into.comm.world_size, local_ranks(), planned)
+    return balanced_restore_threads(mine, others)
+
+
+def host_work(
+    chain: Sequence[Manifest], rank: int, world_size: int, host: int, planned: int
+) -> tuple[float, list[float]]:
+    """Bytes this rank and each other rank of its host (``host`` ranks each) restore, as the
+    chain's manifests tell: onto the world size that wrote every link (which restores each
+    writer rank's blocks on the same rank, unless the plan changed), what each writer rank
+    wrote along the chain (``PartEntry.files_bytes``); else ``planned`` for this rank, and an
+    even share of the rest of the chain's bytes for each other rank."""
+    first = rank - rank % host
+    peers = [r for r in range(first, min(first + host, world_size)) if r != rank]
+    if all(m.world_size == world_size and m.parts for m in chain):
+        wrote = [0.0] * world_size
+        for manifest in chain:
+            for part in manifest.parts:
+                wrote[part.rank] += part.files_bytes
+        return wrote[rank], [wrote[r] for r in peers]
+    rest = max(0.0, sum(m.total_bytes for m in chain) - planned)
+    return float(planned), [rest / max(world_size - 1, 1)] * len(peers)
 
 
 def _tty() -> bool:

@@ -122,7 +122,7 @@ def share_side_state(into: RestoreTarget, side: SideState) -> None:
     restores and what it skipped (collective; call once every rank read its side state): a rank
     then reads one file of metadata size, not one per writer rank (288 MB at 4,096 ranks,
     ``benchmarks/scale.py``)."""
-    if into.sharded.mch or side.rank is not None:
+    if not shared_by_rank0(into, side):
         return
     shared = (side.statefuls, side.skipped, side.unused_statefuls)  # rank 0's is sent
     statefuls, skipped, unused = into.comm.broadcast(shared)
@@ -281,8 +281,8 @@ def _table_and_name(key: str) -> tuple[str, str]:
 
 
 @dataclass
-class _Prior:
-    """Copies of everything :func:`apply_side_state` overwrites, to put back on failure."""
+class PriorState:
+    """Copies of everything :func:`load_side_state` overwrites, to put back on failure."""
 
     model: dict[str, torch.Tensor]
     scalars: dict[str, torch.Tensor]
@@ -290,6 +290,36 @@ class _Prior:
     rank: dict[str, Any]  # RNG streams
     statefuls: dict[str, Any]
     mch: list[MchLoad]
+
+
+def shared_by_rank0(into: RestoreTarget, side: SideState) -> bool:
+    """Whether rank 0 sends the statefuls before they are loaded (:func:`share_side_state`,
+    a collective): onto another world size, without managed-collision tables. The same on
+    every rank that read its side state."""
+    return not into.sharded.mch and side.rank is None
+
+
+def load_side_state(into: RestoreTarget, side: SideState) -> PriorState:
+    """Loads the side state on this rank alone; returns what it overwrote, for
+    :func:`roll_back_side_state` should another rank fail. On failure here, puts everything
+    back and raises.
+
+    Raises:
+        ModelMismatchError: the live optimizer refused its state after creating it; whatever a
+            stateful's or an optimizer's ``load_state_dict`` raised.
+    """
+    state = dict(side.dense)
+    state["fused_scalars"] = fused_scalar_values(into.sharded, state.get("fused_scalars", {}))
+    pairs = _optimizer_pairs(into, state, side.dense_path)
+    loading = into.statefuls if side.rank is not None else side.statefuls
+    live = into.model.state_dict()  # once: a sharded model's costs a pass over every module
+    prior = _capture(into, live, state, [opt for opt, _ in pairs], list(loading), side.mch)
+    try:
+        _apply(into, live, side, state, pairs, prior.statefuls)
+    except BaseException:
+        roll_back_side_state(into, prior)
+        raise
+    return prior
 
 
 def apply_side_state(into: RestoreTarget, side: SideState) -> None:
@@ -301,21 +331,17 @@ def apply_side_state(into: RestoreTarget, side: SideState) -> None:
         RestoreRankError: another rank failed; its reason is quoted. Whatever a stateful's or an
             optimizer's ``load_state_dict`` raised is re-raised on its own rank.
     """
-    state = dict(side.dense)
-    state["fused_scalars"] = fused_scalar_values(into.sharded, state.get("fused_scalars", {}))
-    pairs = _optimizer_pairs(into, state, side.dense_path)
-    loading = into.statefuls if side.rank is not None else side.statefuls
-    live = into.model.state_dict()  # once: a sharded model's costs a pass over every module
-    prior = _capture(into, live, state, [opt for opt, _ in pairs], list(loading), side.mch)
+    prior: PriorState | None = None
     error: Exception | None = None
     try:
-        try:
-            _apply(into, live, side, state, pairs, prior.statefuls)
-        except Exception as exc:  # gathered below, so that every rank rolls back
-            error = exc
+        prior = load_side_state(into, side)
+    except Exception as exc:  # gathered below, so that every rank rolls back
+        error = exc
+    try:
         into.comm.check(error, "restoring the dense state, RNG and statefuls", RestoreRankError)
     except BaseException:
-        _roll_back(into, prior)
+        if prior is not None:
+            roll_back_side_state(into, prior)
         raise
 
 
@@ -359,8 +385,8 @@ def _capture(
     optimizers: list[Any],
     statefuls: list[str],
     mch_loads: list[MchLoad],
-) -> _Prior:
-    return _Prior(
+) -> PriorState:
+    return PriorState(
         model={k: live[k].detach().clone() for k in state["model"]},
         scalars={k: into.sharded.scalar_states[k].clone() for k in state["fused_scalars"]},
         optimizers=[
@@ -390,7 +416,8 @@ def _capture(
 
 
 @torch.no_grad()
-def _roll_back(into: RestoreTarget, prior: _Prior) -> None:
+def roll_back_side_state(into: RestoreTarget, prior: PriorState) -> None:
+    """Puts back what :func:`load_side_state` overwrote."""
     live = into.model.state_dict()
     for key, value in prior.model.items():
         live[key].copy_(value)
