@@ -6,9 +6,10 @@ node sent over the process group (``peer``, fetched before the restore, ``tiers/
 then the durable directory (``durable``). Each copy is read once, and checked as it is read (the
 restore's own reads verify size and checksum). A copy that fails is refused, logged and counted,
 and the next copy is read; when that next copy is a peer's not fetched yet, the read fails with
-:data:`PEER_MARK` and ``tiers/restore.py`` fetches it and runs the restore again (nothing was
-applied: a restore applies nothing until every rank read everything). ``read/restore.py`` reads
-this view as it reads a ``CheckpointStore``.
+:data:`PEER_MARK` and ``tiers/restore.py`` fetches it and runs the restore again (nothing
+stays applied: a restore writes no row until every rank read everything, and a rank puts back
+the side state it loaded meanwhile). ``read/restore.py`` reads this view as it reads a
+``CheckpointStore``.
 """
 
 from __future__ import annotations
