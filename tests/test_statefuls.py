@@ -174,3 +174,32 @@ def test_restore_lists_the_statefuls_it_was_not_given(world_size: int) -> None:
         if world_size == 2:
             assert some["skipped"] == (reason,) and every["skipped"] == (), (where, some)
             assert some["data"] == every["data"] == {"position": rank}, (where, out)
+
+
+def test_state_trees_come_back_with_their_types() -> None:
+    """A stateful's tree (and the RNG streams) as encoded, decoded: lists stay lists and tuples
+    tuples, however they nest, scalars and arrays equal."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from embckpt import dense
+
+    tree = {
+        "seen": 5,
+        "order": [3, 1, 2],
+        "pair": (1.5, "a", None, True),
+        "nested": [[1, 2], {"k": (3, [4, 5])}, ({"x": 1},), []],
+        7: ("int key",),
+        "tensor": torch.arange(4),
+        "array": np.arange(3, dtype=np.int32),
+        "rng": random.getstate(),
+    }
+    back = dense.decode_tree(dense.encode_tree(tree))
+    tensor, array = back.pop("tensor"), back.pop("array")
+    assert torch.equal(tensor, tree.pop("tensor"))
+    assert np.array_equal(array, tree.pop("array")) and array.dtype == np.int32
+    assert back == tree
+    assert type(back["nested"][2]) is tuple and type(back["nested"][1]["k"][1]) is list
+    random.setstate(back["rng"])  # a state Python accepts back
