@@ -121,25 +121,18 @@ def decode_tree(data: bytes) -> Any:
 
     def build(node: Any) -> Any:
         if isinstance(node, list):
-            return node if _plain(node) else [build(v) for v in node]
+            return [build(v) for v in node]
         if isinstance(node, dict):
             if "__tensor__" in node:
                 return tensors[node["__tensor__"]]
             if "__ndarray__" in node:
                 return tensors[node["__ndarray__"]].numpy()
             if "__tuple__" in node:
-                items = node["__tuple__"]
-                return tuple(items if _plain(items) else (build(v) for v in items))
+                return tuple(build(v) for v in node["__tuple__"])
             return {build(k): build(v) for k, v in node["__dict__"]}
         return node
 
     return build(structure)
-
-
-def _plain(items: list[Any]) -> bool:
-    """Whether ``items`` are all scalars, taken as JSON gave them: Python's RNG state is a
-    tuple of 625 integers, which :func:`decode_tree` built one call each (0.5 ms a restore)."""
-    return not any(isinstance(v, (list, dict)) for v in items)
 
 
 def dense_state(
