@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from embckpt import failpoints, kernel_cache
@@ -67,7 +68,7 @@ from embckpt.errors import (
     as_error,
 )
 from embckpt.read.apply import apply_staged
-from embckpt.read.cells import listed
+from embckpt.read.cells import WrittenRows, listed
 from embckpt.read.heap import trim_heap
 from embckpt.read.plan import FileRead, plan_reads, writer_ranks
 from embckpt.read.side_state import (
@@ -332,9 +333,7 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         seconds=time.perf_counter() - started,
         stage_seconds=stage_seconds,
         skipped=tuple(side.skipped),
-        diff_rows=tuple(
-            (w.shard.key, torch.as_tensor(listed(w.local_rows))) for w in written if w.from_diff
-        ),
+        diff_rows=_rows_by_block(written),
         phases=clock.seconds(),
         unused_statefuls=tuple(side.unused_statefuls),
     )
@@ -347,6 +346,20 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
         cost.bytes_needed / 1e6,
     )
     return result
+
+
+def _rows_by_block(written: Sequence[WrittenRows]) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The rows the chain's diffs wrote, one array per block (its files' runs joined): the
+    caller marks each in its tracker, one call per block rather than per file and column
+    segment (a 32-table model's 10-link chain marked 32 runs per link, 0.2 ms)."""
+    runs: dict[str, list[np.ndarray]] = {}
+    for w in written:
+        if w.from_diff:
+            runs.setdefault(w.shard.key, []).append(listed(w.local_rows))
+    return tuple(
+        (key, torch.as_tensor(rows[0] if len(rows) == 1 else np.concatenate(rows)))
+        for key, rows in runs.items()
+    )
 
 
 def _share_choice(
