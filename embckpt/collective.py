@@ -121,7 +121,7 @@ class Collective:
         The ranks first sum a flag (one all-reduce of one number), and gather the reasons only
         when a rank failed: gathering them every time cost three times the all-reduce (on the
         2-core machine of ``benchmarks/results/``, 2 gloo ranks: 0.87 ms against 0.25 ms by
-        median), and a restore agrees three times.
+        median), and a restore agrees twice (three times onto another world size).
         """
         if self.group is None:
             self.gather_checked(None, error, what, peer_error)
