@@ -313,8 +313,12 @@ class Coverage:
 
 
 def _inside(rows: np.ndarray, shard: TableShard) -> tuple[int, int]:
-    """Where a staged file's ``rows`` (global ids, ascending) inside ``shard`` start and end."""
-    first, last = np.searchsorted(rows, [shard.row_offset, shard.row_offset + shard.num_rows])
+    """Where a staged file's ``rows`` (global ids, ascending) inside ``shard`` start and end
+    (all of them, the usual case, told by the ends without a search)."""
+    end = shard.row_offset + shard.num_rows
+    if not len(rows) or (rows[0] >= shard.row_offset and rows[-1] < end):
+        return 0, len(rows)
+    first, last = np.searchsorted(rows, [shard.row_offset, end])
     return int(first), int(last)
 
 
