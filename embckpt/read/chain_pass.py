@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from embckpt.blocks import TableShard
-from embckpt.codecs.base import Codec, EncodedRows
+from embckpt.codecs.base import Codec, EncodedRows, equal_groups
 from embckpt.codecs.delta import DeltaCodec
 from embckpt.codecs.device_decode import decode_many_on_device
 from embckpt.read import cells
@@ -163,17 +163,9 @@ def _decode_grouped(
     ``device`` (the weights' block's) where its rows decode there, as in ``apply.py``, which
     decodes element-wise states on the CPU; a delta codec's as :class:`Changes` where
     ``sparse``."""
-    # Compared as dicts, not serialised: a chain's files hold a few configs, and a key
-    # string per file cost more than the comparisons.
-    keys: list[tuple[dict[str, Any], int]] = []
-    groups: list[list[int]] = []
-    for i, item in enumerate(loaded):
-        key = (codec_of(item.file).get_config(), item.file.read.entry.shard_cols)
-        if key in keys:
-            groups[keys.index(key)].append(i)
-        else:
-            keys.append(key)
-            groups.append([i])
+    groups = equal_groups(
+        (codec_of(item.file).get_config(), item.file.read.entry.shard_cols) for item in loaded
+    )
     out: list[torch.Tensor | Changes] = [torch.empty(0)] * len(loaded)
     for members in groups:
         first = loaded[members[0]].file
