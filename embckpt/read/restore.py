@@ -296,7 +296,7 @@ def _restore(into: RestoreTarget, step: int | None, progress: bool | None) -> Re
     try:
         comm.check(error, what, RestoreRankError)
         assert side is not None  # read above, or every rank raised
-        if prior is None:  # onto another world size: rank 0's statefuls, then loaded
+        if shared_by_rank0(into, side):  # onto another world size: rank 0's, then loaded
             share_side_state(into, side)
             apply_side_state(into, side)
     except BaseException:
